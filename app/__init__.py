@@ -1,0 +1,1 @@
+"""The surfaces: the CLI, the chat TUI, batch summarisation, chat history."""

@@ -1,0 +1,40 @@
+"""``localctx`` entry point: builds the subcommands and turns errors into one line + an exit code."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from localctx.kvcache.errors import RuntimeFailure, UserError
+
+# adding a subcommand = a module in localctx.app.commands with register(subparsers) + its name here
+COMMANDS = ("run", "models", "pull")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localctx", description="Run LLMs locally with long contexts.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"localctx.app.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as exc:
+        print(f"localctx: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except RuntimeFailure as exc:
+        print(f"localctx: failed: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("\nlocalctx: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `localctx run ... | head` closed the pipe: not an error
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

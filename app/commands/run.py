@@ -1,0 +1,98 @@
+"""``localctx run``: one-shot generation. The answer streams to stdout, one stats line to stderr."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from localctx.app.session_options import SessionRequest, add_session_options, open_session
+from localctx.backends.base import GenerationParams, GenerationStats
+from localctx.kvcache.cost import format_bytes
+from localctx.kvcache.errors import UserError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="answer one prompt (argument and/or stdin)",
+                       description="Answer one prompt. Stdin, if any, comes first, then the argument.")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt (stdin is prepended when piped)")
+    add_session_options(p)
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, stats, policy, backend)")
+    p.set_defaults(handler=handle)
+
+
+def read_prompt(arg: str | None, stdin=None) -> str:
+    stdin = sys.stdin if stdin is None else stdin
+    parts = []
+    if stdin is not None and not stdin.isatty():
+        piped = stdin.read()
+        if piped.strip():
+            parts.append(piped.rstrip("\n"))
+    if arg is not None and arg.strip():
+        parts.append(arg)
+    text = "\n\n".join(parts)
+    if not text.strip():
+        raise UserError('the prompt is empty: localctx run "your question" (or pipe text on stdin)')
+    return text
+
+
+def params_from(args: argparse.Namespace) -> GenerationParams:
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens {args.max_tokens} must be at least 1")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature} must be 0 (greedy) or more")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p {args.top_p} must be in (0, 1]")
+    if args.top_k < 0:
+        raise UserError(f"--top-k {args.top_k} must be 0 (off) or more")
+    return GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+
+
+def stats_line(stats: GenerationStats, exact: bool, finish: str) -> str:
+    return (f"[{stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated, "
+            f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s, "
+            f"KV {format_bytes(stats.kv_bytes)}, policy {stats.policy} ({'exact' if exact else 'lossy'}), "
+            f"backend {stats.backend}, finish {finish}]")
+
+
+def handle(args: argparse.Namespace) -> int:
+    text = read_prompt(args.prompt)
+    params = params_from(args)
+    messages = text if args.raw else (
+        ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}])
+    session = open_session(SessionRequest.from_args(args))
+    pieces: list[str] = []
+    last = None
+    code = 0
+    try:
+        with session:
+            for event in session.generate(messages, params):
+                last = event
+                if event.text:
+                    pieces.append(event.text)
+                    if not args.json:
+                        sys.stdout.write(event.text)
+                        sys.stdout.flush()
+    except KeyboardInterrupt:
+        code = 130
+    finish = "cancelled" if code else (last.finish_reason if last else "cancelled")
+    stats = last.stats if last else None
+    if args.json:
+        out = {"text": "".join(pieces), "finish_reason": finish, "backend": session.plan.backend,
+               "policy": str(session.plan.policy), "exact": session.plan.exact,
+               "model": session.spec.name, "stats": stats.to_dict() if stats else None}
+        print(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stats is not None:
+            print(stats_line(stats, session.plan.exact, finish), file=sys.stderr)
+    return code

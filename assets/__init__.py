@@ -1,0 +1,1 @@
+"""Data only: known hardware, known model shapes, prompts, styles."""

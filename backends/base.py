@@ -1,0 +1,191 @@
+"""The backend contract every surface talks to (DESIGN.md "Flow").
+
+    session = backend.load(model_ref, plan)
+    for event in session.generate(messages_or_prompt, params, cancel): ...
+
+A prompt is either a list of chat messages (``{"role", "content"}``, rendered with the model's
+own chat template) or a plain string (raw completion, no template)."""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence, Union
+
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.spec import ModelSpec
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+Prompt = Union[str, Sequence[Message]]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    backend: str
+    policy: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the session's cache (not prefilled again)
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    kv_bytes: int = 0
+    kv_tokens: int = 0  # tokens held in the cache now
+    evicted_tokens: int = 0  # tokens dropped by a lossy policy so far in this session
+
+    @property
+    def prefill_tok_s(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_s if self.prefill_s > 0 and n > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first generated token comes out of prefill; decode rate counts the steps after it
+        n = self.generated_tokens - 1
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prefill_tok_s"] = round(self.prefill_tok_s, 2)
+        d["decode_tok_s"] = round(self.decode_tok_s, 2)
+        return d
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """One streamed step. ``kind`` is "token" (text holds the new text, possibly empty while a
+    multi-byte character is incomplete) or "done" (finish_reason says why: stop, length, cancelled)."""
+    kind: str
+    stats: GenerationStats
+    text: str = ""
+    token: int | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    kv_bits: frozenset = frozenset({16})
+    group_sizes: frozenset = frozenset({32, 64})
+    residual: bool = False
+    sinks_window: bool = False
+    heavy: bool = False
+    batch: bool = False
+    notes: tuple[str, ...] = ()
+
+    def refusals(self, policy: KVPolicy) -> list[str]:
+        """Reasons this backend cannot run ``policy``; empty when it can."""
+        out = []
+        if policy.bits not in self.kv_bits:
+            out.append(f"{policy.bits}-bit KV is not supported (supported: "
+                       + ", ".join("fp16" if b == 16 else f"int{b}" for b in sorted(self.kv_bits, reverse=True)) + ")")
+        elif policy.quantized and policy.group_size not in self.group_sizes:
+            out.append(f"group size {policy.group_size} is not supported")
+        if policy.residual and not self.residual:
+            out.append("a full-precision residual is not supported")
+        if policy.evicts and not self.sinks_window:
+            out.append("sinks + window eviction is not supported")
+        if policy.heavy and not self.heavy:
+            out.append("heavy-hitter eviction is not supported")
+        return out
+
+
+class Session(ABC):
+    """A loaded model with its KV cache. Keeps the cache across calls: a conversation that
+    grows by a turn only prefills the new tokens."""
+
+    spec: ModelSpec
+    plan: Plan
+    backend_name: str
+
+    @abstractmethod
+    def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
+                 cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+        """Yields "token" events then exactly one "done" event. Checks ``cancel`` between tokens."""
+
+    def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams = GenerationParams(),
+                       cancel: threading.Event | None = None) -> Iterator[tuple[int, GenerationEvent]]:
+        """Independent completions of several prompts, as (index, event) pairs; each index ends with
+        its own "done". Backends that batch decode them together (the weights read once per step
+        for the whole batch) override this; the default runs them one after another."""
+        for i, prompt in enumerate(prompts):
+            self.reset()
+            for event in self.generate(prompt, params, cancel):
+                yield i, event
+
+    @abstractmethod
+    def count_tokens(self, prompt: Prompt) -> int:
+        """Tokens the prompt takes once rendered (chat template included)."""
+
+    def reset(self) -> None:
+        """Forget the cached conversation."""
+
+    def close(self) -> None:
+        """Release the weights and the cache."""
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Backend(ABC):
+    name: str = ""
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can run here, else why not (and what to install)."""
+        return None
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    def refusals(self, policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
+        return self.capabilities().refusals(policy)
+
+    @abstractmethod
+    def load(self, model, plan: Plan) -> Session:
+        """``model`` is a resolved ``ModelRef``. Raises UserError for bad models or refused plans."""
+
+
+@dataclass
+class StatsClock:
+    """Accumulates timings for a generation and stamps GenerationStats from them."""
+    backend: str
+    policy: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def stats(self, kv_bytes: int, kv_tokens: int, evicted: int = 0) -> GenerationStats:
+        return GenerationStats(backend=self.backend, policy=self.policy, prompt_tokens=self.prompt_tokens,
+                               cached_tokens=self.cached_tokens, generated_tokens=self.generated_tokens,
+                               prefill_s=self.prefill_s, decode_s=self.decode_s, kv_bytes=kv_bytes,
+                               kv_tokens=kv_tokens, evicted_tokens=evicted)
+
+
+def check_prompt_fits(n_prompt: int, plan: Plan, spec: ModelSpec, max_tokens: int) -> None:
+    """Refuse, never truncate: a prompt that cannot fit the session's context is a UserError."""
+    if n_prompt == 0:
+        raise UserError("the prompt is empty: give a prompt as an argument or on stdin")
+    if plan.policy.evicts:
+        return  # a windowed cache streams past its budget by design
+    if n_prompt >= plan.context:
+        raise UserError(
+            f"the prompt is {n_prompt:,} tokens but the context holds {plan.context:,} "
+            f"({spec.name} was trained on {spec.context_length:,}); shorten the prompt, split it "
+            f"(localctx summarize handles long documents), or use a windowed policy such as "
+            f"--kv int8+sink4+win{min(plan.context, spec.context_length) // 2}")

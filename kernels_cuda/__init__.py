@@ -1,0 +1,1 @@
+"""Fused CUDA kernels (Triton), each beside its pure-torch reference."""

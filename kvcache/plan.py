@@ -1,0 +1,55 @@
+"""Plan: what the planner chose, what it projects, and why (DESIGN.md "Core types")."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from localctx.kvcache import cost
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Rejected:
+    backend: str
+    policy: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    backend: str
+    policy: KVPolicy
+    context: int  # tokens the session accepts (prompt + answer); for windowed policies a stream may go past it
+    kv_bytes: int  # projected peak KV bytes at ``context`` tokens
+    weight_bytes: int = 0
+    decode_tok_s: float | None = None  # projected at ``context``
+    prefill_tok_s: float | None = None
+    hardware: str = ""
+    reasons: list[str] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return self.policy.exact
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @classmethod
+    def fixed(cls, backend: str, spec: ModelSpec, policy: KVPolicy, context: int | None = None,
+              reason: str = "") -> "Plan":
+        """A plan that takes the policy as given (``--kv`` or a test), with the cost model's projection."""
+        ctx = context or spec.context_length
+        return cls(backend=backend, policy=policy, context=ctx,
+                   kv_bytes=cost.max_kv_bytes(spec, policy, ctx), weight_bytes=spec.weight_bytes,
+                   reasons=[reason or f"KV policy {policy} as requested"])
+
+    def to_dict(self) -> dict:
+        return {
+            "backend": self.backend, "policy": str(self.policy), "exact": self.exact,
+            "context": self.context, "kv_bytes": self.kv_bytes, "weight_bytes": self.weight_bytes,
+            "memory_bytes": self.memory_bytes, "decode_tok_s": self.decode_tok_s,
+            "prefill_tok_s": self.prefill_tok_s, "hardware": self.hardware, "reasons": list(self.reasons),
+            "rejected": [r.__dict__ for r in self.rejected],
+        }

@@ -1,0 +1,141 @@
+"""KVPolicy and its short text form, e.g. ``int4+res128+sink4+win4096``.
+
+Tokens, joined by ``+``, in any order on input and canonical order on output:
+
+- precision: ``fp16`` (the model's full precision; ``f16``/``bf16``/``full`` accepted), ``int8``, ``int4``
+- ``gN``: quantization group size (32 or 64; default 32)
+- ``resN``: the N most recent tokens stay in full precision (quantized KV only)
+- ``sinkN``: the first N tokens are always kept
+- ``winN``: the last N tokens are kept; the middle is evicted (no ``win`` = unbounded)
+- ``heavyN``: the N tokens with the largest accumulated attention are kept too (H2O)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from localctx.kvcache.errors import UserError
+
+_PRECISIONS = {"fp16": 16, "f16": 16, "bf16": 16, "full": 16, "int8": 8, "q8": 8, "int4": 4, "q4": 4}
+_FIELD = re.compile(r"^(g|res|sink|win|heavy)(\d+)$")
+GROUP_SIZES = (32, 64)
+EXAMPLE = "int4+res128+sink4+win4096"
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    bits: int = 16
+    group_size: int = 32
+    residual: int = 0
+    sinks: int = 0
+    window: int | None = None
+    heavy: int = 0
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise UserError(f"invalid KV policy {self._raw()!r}: {problem}")
+
+    def _raw(self) -> str:
+        return (f"bits={self.bits} g={self.group_size} res={self.residual} sinks={self.sinks} "
+                f"window={self.window} heavy={self.heavy}")
+
+    def _problem(self) -> str | None:
+        if self.bits not in (16, 8, 4):
+            return "precision must be fp16, int8 or int4"
+        if self.group_size not in GROUP_SIZES:
+            return f"group size must be one of {GROUP_SIZES} (e.g. g32)"
+        if min(self.residual, self.sinks, self.heavy) < 0:
+            return "counts must not be negative"
+        if self.window is not None and self.window < 1:
+            return "window must be at least 1 token (drop 'win' for an unbounded cache)"
+        if self.residual and self.bits == 16:
+            return "a full-precision residual ('res') only applies to int8 or int4 KV"
+        return None
+
+    # -- text form -------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> "KVPolicy":
+        src = text.strip().lower()
+        if not src:
+            raise UserError(f"empty KV policy: give one like {EXAMPLE!r} or 'fp16'")
+        parts = [p.strip() for p in src.split("+")]
+        fields: dict[str, int] = {}
+        bits = None
+        for part in parts:
+            if part in _PRECISIONS:
+                if bits is not None:
+                    raise UserError(f"KV policy {text!r} names two precisions; keep one of fp16, int8, int4")
+                bits = _PRECISIONS[part]
+                continue
+            m = _FIELD.match(part)
+            if not m:
+                raise UserError(
+                    f"KV policy {text!r}: unknown part {part!r}; use fp16|int8|int4 and gN, resN, sinkN, winN, heavyN "
+                    f"joined by '+', e.g. {EXAMPLE!r}")
+            key, val = m.group(1), int(m.group(2))
+            if key in fields:
+                raise UserError(f"KV policy {text!r} gives {key!r} twice; keep one")
+            fields[key] = val
+        if fields.get("win") == 0:
+            raise UserError(f"KV policy {text!r}: win0 keeps nothing; drop 'win' for an unbounded cache")
+        if "g" in fields and (bits or 16) == 16:
+            raise UserError(f"KV policy {text!r}: a group size only applies to int8 or int4 KV")
+        return cls(bits=bits or 16, group_size=fields.get("g", 32), residual=fields.get("res", 0),
+                   sinks=fields.get("sink", 0), window=fields.get("win"), heavy=fields.get("heavy", 0))
+
+    def __str__(self) -> str:
+        parts = ["fp16" if self.bits == 16 else f"int{self.bits}"]
+        if self.bits != 16 and self.group_size != 32:
+            parts.append(f"g{self.group_size}")
+        if self.residual:
+            parts.append(f"res{self.residual}")
+        if self.sinks:
+            parts.append(f"sink{self.sinks}")
+        if self.window is not None:
+            parts.append(f"win{self.window}")
+        if self.heavy:
+            parts.append(f"heavy{self.heavy}")
+        return "+".join(parts)
+
+    # -- properties the planner and the UI ask ---------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def evicts(self) -> bool:
+        """True when tokens can be dropped from the cache (a window bounds it)."""
+        return self.window is not None
+
+    @property
+    def exact(self) -> bool:
+        """Full precision and nothing evicted: attention sees exactly what the model would."""
+        return not self.quantized and not self.evicts
+
+    def capacity(self) -> int | None:
+        """Most tokens the cache ever holds; None when unbounded."""
+        if self.window is None:
+            return None
+        return self.sinks + self.heavy + self.window
+
+    def kept_tokens(self, n_tokens: int) -> int:
+        """Tokens held after ``n_tokens`` have streamed through the cache."""
+        cap = self.capacity()
+        return n_tokens if cap is None else min(n_tokens, cap)
+
+    def describe(self) -> str:
+        kind = "exact" if self.exact else "lossy"
+        what = []
+        if self.quantized:
+            what.append(f"{self.bits}-bit KV (groups of {self.group_size}"
+                        + (f", last {self.residual} tokens full precision)" if self.residual else ")"))
+        else:
+            what.append("full-precision KV")
+        if self.evicts:
+            what.append(f"keeps first {self.sinks} + last {self.window}"
+                        + (f" + {self.heavy} heavy hitters" if self.heavy else "") + " tokens")
+        return f"{kind}: " + ", ".join(what)
+
+
+FP16 = KVPolicy()
