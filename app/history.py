@@ -121,8 +121,9 @@ class History:
         try:
             return cls(_connect(path), path), None
         except sqlite3.DatabaseError as exc:
-            moved = _move_aside(path)
-        notice = (f"the chat history {path} could not be read ({exc}); it was moved to {moved.name} "
+            reason = str(exc)
+        moved = _move_aside(path)
+        notice = (f"the chat history {path} could not be read ({reason}); it was moved to {moved.name} "
                   "and a new history was started")
         try:
             return cls(_connect(path), path), notice
