@@ -16,12 +16,14 @@ class ChatApp(App):
         super().__init__()
         self.setup = setup
         self.engine = ChatEngine(setup.session, setup.reopen, setup.params)
-        self.chat = ChatScreen(setup, self.engine)
+        self.chat: ChatScreen | None = None
 
     def get_default_screen(self) -> ChatScreen:
+        self.chat = ChatScreen(self.setup, self.engine)
         return self.chat
 
     async def action_quit(self) -> None:
-        self.chat.save_partial()
+        if self.chat is not None:
+            self.chat.save_partial()
         self.engine.stop()
         self.exit()
