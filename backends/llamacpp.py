@@ -5,8 +5,11 @@ streams through the shared loop. KV bytes are read back from llama.cpp (its per-
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import threading
+from pathlib import Path
 from typing import Iterator
 
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
@@ -47,6 +50,21 @@ def _quiet_stderr():
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+@functools.lru_cache(maxsize=None)
+def _ggml_base():
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    return lib
+
+
+def ggml_row_size(type_id: int, n_elements: int) -> int:
+    """Bytes llama.cpp stores for one row of ``n_elements`` of a ggml type (blocks and scales included)."""
+    return int(_ggml_base().ggml_row_size(type_id, n_elements))
 
 
 def kv_type_ids(policy: KVPolicy) -> tuple[int, int]:
@@ -93,7 +111,8 @@ class LlamaCppSession(Session):
                                      bos_token=self._piece(self.llm.token_bos()),
                                      eos_token=self._piece(self.llm.token_eos()))
         self._eog = _EndOfGeneration(self.llm)
-        self._state_header = self._seq_state_size()
+        width = self.spec.n_kv_heads * self.spec.head_dim
+        self._bytes_per_token = self.spec.n_layers * (ggml_row_size(type_k, width) + ggml_row_size(type_v, width))
 
     # -- prompts ---------------------------------------------------------------
     def _piece(self, token: int) -> str:
@@ -112,14 +131,11 @@ class LlamaCppSession(Session):
         return len(self.tokenize(prompt))
 
     # -- cache -----------------------------------------------------------------
-    def _seq_state_size(self) -> int:
-        import llama_cpp
-
-        return int(llama_cpp.llama_state_seq_get_size(self.llm._ctx.ctx, 0))
-
     def kv_state(self) -> tuple[int, int, int]:
-        """(KV bytes held, tokens held, tokens evicted), read back from llama.cpp."""
-        return self._seq_state_size() - self._state_header, int(self.llm.n_tokens), 0
+        """(KV bytes held, tokens held, tokens evicted): llama.cpp's token count times its own row
+        sizes for the K and V types in use (ggml_row_size), so q8_0/q4_0 block scales are counted."""
+        n = int(self.llm.n_tokens)
+        return n * self._bytes_per_token, n, 0
 
     def reset(self) -> None:
         self.llm.reset()
