@@ -9,7 +9,7 @@ from localctx.app.chat.widgets.conversation import Answer, Note, UserMessage
 from localctx.app.history import History
 from localctx.kvcache.cost import format_bytes
 
-from conftest import (SIZE, GatedSession, RecordingSession, expected_reply, fake_session, long_question, make_app, send,
+from chat_helpers import (SIZE, GatedSession, RecordingSession, expected_reply, fake_session, long_question, make_app, send,
                       send_and_wait, wait_until)
 
 
@@ -209,3 +209,39 @@ def test_resume_opens_the_latest_chat(history):
             assert [m.content for m in app.chat.conv.messages][0] == "remember me"
 
     run(second())
+
+
+def test_quit_mid_answer_saves_what_was_generated(history):
+    app = make_app(history, delay=0.1)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, long_question())
+            chat = app.chat
+            await wait_until(pilot, lambda: chat.answer is not None and len(chat.answer.text.split()) >= 2)
+            await pilot.press("ctrl+q")
+
+    run(go())
+    app.engine.close()  # what the command does after the app returns: waits for the worker, frees the model
+    saved = history.load(history.conversations()[0].id)
+    assert [m.role for m in saved.messages] == ["user", "assistant"]
+    full = expected_reply([{"role": "user", "content": long_question()}])
+    assert full.startswith(saved.messages[1].content) and 0 < len(saved.messages[1].content) < len(full)
+    assert saved.messages[1].stats.finish_reason == "cancelled"
+
+
+def test_footer_offers_stop_only_while_answering(history):
+    app = make_app(history, delay=0.1)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            chat = app.chat
+            assert chat.check_action("stop", ()) is None
+            await send(pilot, long_question())
+            await wait_until(pilot, lambda: chat.answer is not None)
+            assert chat.check_action("stop", ()) is True
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: not chat.busy)
+            assert chat.check_action("stop", ()) is None
+
+    run(go())

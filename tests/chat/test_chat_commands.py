@@ -11,7 +11,7 @@ from localctx.app.chat.screens.plan import PlanScreen
 from localctx.app.chat.widgets.conversation import Answer, Note, UserMessage
 from localctx.kvcache.errors import UserError
 
-from conftest import SIZE, RecordingSession, plain, fake_session, make_app, send, send_and_wait, wait_until
+from chat_helpers import SIZE, RecordingSession, plain, fake_session, make_app, send, send_and_wait, wait_until
 
 
 def run(coro):

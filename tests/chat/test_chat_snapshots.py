@@ -11,7 +11,7 @@ from localctx.kvcache import cost
 from localctx.kvcache.plan import Plan, Rejected
 from localctx.kvcache.policy import KVPolicy
 
-from conftest import SIZE, make_app, send_and_wait, wait_until
+from chat_helpers import SIZE, make_app, send_and_wait, wait_until
 
 REPLY = [
     "Here ", "is ", "a ", "**sliding** ", "window ", "in ", "Python:\n\n", "```python\n",

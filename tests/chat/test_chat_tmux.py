@@ -13,7 +13,7 @@ import pytest
 
 from localctx.app.history import DB_NAME, History
 
-from conftest import long_question
+from chat_helpers import long_question
 
 TMUX = shutil.which("tmux")
 ROOT = Path(__file__).resolve().parents[2]

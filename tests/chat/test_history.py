@@ -12,7 +12,7 @@ import pytest
 from localctx.app.history import DB_NAME, ChatMessage, Conversation, History, TurnStats, data_dir, title_from
 from localctx.kvcache.errors import RuntimeFailure
 
-from conftest import SIZE, make_app, wait_until
+from chat_helpers import SIZE, make_app, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

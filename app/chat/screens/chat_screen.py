@@ -10,6 +10,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
+from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header
 
@@ -44,13 +45,14 @@ class ChatScreen(Screen):
         Binding("f1", "help", "Help"),
     ]
 
+    busy = reactive(False, bindings=True)  # an answer or a re-plan is running (the footer follows it)
+
     def __init__(self, setup: ChatSetup, engine: ChatEngine):
         super().__init__()
         self.setup = setup
         self.engine = engine
         self.facts = SessionFacts.of(engine.session, setup.hardware)
         self.conv = Conversation(system=setup.system)
-        self.busy = False  # an answer or a re-plan is running
         self.turn = 0
         self.answer: Answer | None = None
         self.question: ChatMessage | None = None
@@ -121,7 +123,15 @@ class ChatScreen(Screen):
 
     def emit(self, payload: object) -> None:
         """Called from the worker thread; post_message is thread-safe."""
-        self.post_message(EngineResult(payload))
+        try:
+            self.post_message(EngineResult(payload))
+        except RuntimeError:
+            pass  # the app has shut down (its event loop is closed): nobody is left to tell
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "stop":
+            return True if self.busy and self.answer is not None else None  # None: shown greyed out
+        return True
 
     @on(EngineResult)
     async def engine_result(self, message: EngineResult) -> None:
