@@ -245,3 +245,29 @@ def test_footer_offers_stop_only_while_answering(history):
             assert chat.check_action("stop", ()) is None
 
     run(go())
+
+
+def test_bar_shows_used_against_budget():
+    from localctx.app.chat.widgets.cache_panel import BAR_WIDTH, bar
+
+    assert bar(0, 100).plain == "░" * BAR_WIDTH
+    assert bar(50, 100).plain == "█" * (BAR_WIDTH // 2) + "░" * (BAR_WIDTH // 2)
+    assert bar(1, 10**9).plain.startswith("█")  # something held is never drawn as nothing
+    over = bar(150, 100)
+    assert over.plain == "█" * BAR_WIDTH and over.spans[0].style == "red"
+    assert bar(0, 0).plain == "░" * BAR_WIDTH
+    assert bar(10, 0).plain == "█" * BAR_WIDTH  # anything against no budget is over it
+
+
+def test_panel_names_heavy_hitters_among_what_was_kept(history):
+    app = make_app(history, kv="int8+sink4+win16+heavy8")
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await send_and_wait(pilot, long_question())
+            detail = str(app.chat.panel.query_one("#kv-detail").render())
+            evicted = app.chat.panel.figures.evicted_tokens
+            assert evicted > 0
+            assert f"evicted {evicted:,} tokens; kept the first 4 and the last 16 plus 8 heavy hitters" in detail
+
+    run(go())

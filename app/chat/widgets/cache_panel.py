@@ -16,8 +16,11 @@ STATE_LABELS = {"idle": "ready", "prefilling": "reading the prompt…", "streami
 
 def bar(used: int, budget: int, width: int = BAR_WIDTH) -> Text:
     """A text bar of ``used`` against ``budget``; over budget fills it and turns red."""
-    frac = used / budget if budget > 0 else 0.0
-    filled = min(width, round(frac * width))
+    if budget > 0:
+        frac = used / budget
+    else:
+        frac = float("inf") if used > 0 else 0.0
+    filled = width if frac >= 1 else round(frac * width)
     if used > 0 and filled == 0:
         filled = 1
     style = "red" if frac > 1 else ("yellow" if frac > 0.8 else "green")
@@ -82,6 +85,7 @@ class CachePanel(VerticalScroll):
             return Text(held)
         if f.evicted_tokens:
             policy = f.facts.plan.policy
-            kept = f"kept the first {policy.sinks} and the last {policy.window}"
+            kept = f"kept the first {policy.sinks} and the last {policy.window}" + (
+                f" plus {policy.heavy} heavy hitters" if policy.heavy else "")
             return Text.assemble(held + "\n", (f"evicted {f.evicted_tokens:,} tokens; {kept}", "dark_orange"))
         return Text(held + "\nnothing evicted yet")
