@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 from dataclasses import replace
 
 import psutil
 
-from localctx.app.session_options import SessionRequest, add_session_options, open_session
+from localctx.app.session_options import SessionRequest, add_session_options, make_plan, open_session, resolve_model
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
@@ -47,6 +48,10 @@ def handle(args: argparse.Namespace) -> int:
 
     params = params_from(args)
     request = SessionRequest.from_args(args)
+    make_plan(request, resolve_model(request)[1])  # a bad -m / --kv / --context fails here, before anything loads
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UserError("localctx chat needs a terminal (stdin and stdout); for piped or scripted use, "
+                        'run localctx run "PROMPT"')
     history, notice = History.open()
     session = open_session(request)
     setup = ChatSetup(session=session, reopen=lambda kv: open_session(replace(request, kv=kv)), history=history,

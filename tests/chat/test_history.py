@@ -108,13 +108,14 @@ def test_app_says_the_history_was_moved_aside(tmp_path):
     (["--max-tokens", "0"], "--max-tokens 0 must be at least 1"),
     (["--kv", "int5"], "unknown part 'int5'"),
     (["-m", "/no/such/model.gguf"], "model not found"),
+    ([], "localctx chat needs a terminal"),
 ])
 def test_cli_chat_bad_input_is_one_line(tmp_path, args, error):
     """Bad options fail before the TUI starts, as one line and exit code 2."""
     env = dict(os.environ, LOCALCTX_DATA_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
         [str(ROOT / ".dev"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-m", "localctx.app.cli", "chat", "--backend", "fake", *args],
-                         capture_output=True, text=True, env=env, timeout=60)
+                         capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith("localctx: error: ") and error in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
