@@ -32,7 +32,7 @@ def gather_blocks(blocks: torch.Tensor, block_tables: torch.Tensor, contiguous_f
     _, bs, H, D = blocks.shape
     if contiguous_from is not None and B == 1:
         return blocks[contiguous_from:contiguous_from + n].reshape(1, n * bs, H, D)
-    return blocks[block_tables].reshape(B, n * bs, H, D)
+    return blocks.index_select(0, block_tables.reshape(-1)).reshape(B, n * bs, H, D)
 
 
 def causal_mask(q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:

@@ -157,8 +157,9 @@ class PagedKVCache:
         if B != len(step.seq_ids) or T != step.n_new:
             raise ValueError(f"attend got [B={B}, T={T}] but the step has {len(step.seq_ids)} sequences "
                              f"of {step.n_new} new tokens")
-        q = self.rope.rotate(q, step.q_positions)
-        k = self.rope.rotate(k, step.q_positions)
+        n_heads = q.shape[2]
+        qk = self.rope.rotate(torch.cat([q, k], dim=2), step.q_positions)  # one rotation for both
+        q, k = qk[:, :, :n_heads], qk[:, :, n_heads:]
         kl = self.k[layer_idx]
         vl = self.v[layer_idx]
         flat = (-1, self.shape.n_kv_heads, self.shape.head_dim)
