@@ -38,11 +38,12 @@ class DenseLinear(Linear):
 
 
 class Int8Linear(Linear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        """``weight`` in any float precision (quantized from float32); ``dtype``: activations'."""
         w = weight.float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scales.to(weight.dtype)
+        self.scales = scales.to(dtype)
         self.bias = bias
         self.out_features = weight.shape[0]
 
@@ -73,11 +74,12 @@ class Int8Linear(Linear):
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size() + b
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> Linear:
+    """``weight`` [out, in] in its loaded precision; ``dtype``: what the model computes in."""
     if fmt == "dense":
-        return DenseLinear(weight, bias)
+        return DenseLinear(weight.to(dtype), bias)
     if fmt == "int8":
         if weight.device.type != "cpu":
             raise UserError("weight-only int8 runs on CPU in the torch backend; use dense weights on CUDA")
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight, bias, dtype)
     raise UserError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
