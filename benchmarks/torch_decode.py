@@ -19,6 +19,7 @@ import torch
 
 from localctx.backends.modelref import resolve
 from localctx.backends.torch.backend import DTYPES, TorchOptions, build_session, load_model
+from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 
@@ -82,8 +83,9 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     ref = resolve(None)
     extra = args.steps * (args.rounds + 1) + 8
+    per_seq = -(-(max(contexts) + extra) // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE  # whole blocks per sequence
     options = TorchOptions(device="cpu", dtype=DTYPES[args.dtype], weights=args.weights, threads=args.threads,
-                           pool_tokens=max(batches) * (max(contexts) + extra)).checked()
+                           pool_tokens=max(batches) * per_seq).checked()
     loaded = load_model(ref, options)
     session = build_session(loaded, Plan.fixed("torch", loaded.spec, KVPolicy(), max(contexts) + extra), options)
     engine, cache = session.engine, session.engine.cache
