@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from localctx.kvcache import eviction
+from localctx.kvcache.block_pool import BlockPool, PoolExhausted
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.layer_store import LayerStore
 from localctx.kvcache.policy import KVPolicy
@@ -35,6 +36,8 @@ class PolicyCacheShape:
     head_dim: int
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    capacity_tokens: int = 1 << 20  # tokens the pool admits over all sequences (held, not streamed)
+    block_size: int = 16
 
 
 @dataclass
@@ -63,6 +66,10 @@ class PolicyKVCache:
         self.track_mass = bool(self.heavy_units) and policy.window is not None
         self._seqs: dict[int, _Sequence] = {}
         self._step: tuple[int, ...] | None = None
+        # One pool's bookkeeping for every sequence: blocks cover the tokens each one *holds*
+        # (quantized and full precision alike), so admission and PoolExhausted work as in the
+        # paged cache while a windowed sequence streams on in the same blocks.
+        self.pool = BlockPool(max(1, -(-shape.capacity_tokens // shape.block_size)), shape.block_size)
 
     # -- sequences ---------------------------------------------------------------------------
     def _new_layers(self) -> list[LayerStore]:
@@ -73,7 +80,13 @@ class PolicyKVCache:
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already in the cache")
+        self.pool.admit(seq_id)
         self._seqs[seq_id] = _Sequence(self._new_layers())
+
+    def can_admit(self, n_tokens: int) -> bool:
+        cap = self.policy.capacity()
+        held = n_tokens if cap is None else min(n_tokens, cap + self.policy.group_size)
+        return self.pool.can_fit(self.pool.blocks_for(held))
 
     def has(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -81,36 +94,41 @@ class PolicyKVCache:
     def finish(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is None:
             raise KeyError(f"sequence {seq_id} is not in the cache")
+        self.pool.finish(seq_id)
 
     def reset(self) -> None:
         self._seqs.clear()
+        self.pool.reset()
 
     def length(self, seq_id: int) -> int:
         """Tokens streamed through the sequence (held or evicted)."""
         return self._seq(seq_id).n_seen
 
-    def reusable_prefix(self, seq_id: int) -> int:
-        """The longest prefix ``truncate`` can keep exactly: all of it while nothing has been
-        evicted or quantized, else none (a quantized group or an evicted token cannot be undone)."""
+    def can_truncate(self, seq_id: int, n_tokens: int) -> bool:
+        """Whether ``truncate(seq_id, n_tokens)`` can keep exactly the first ``n_tokens``: always
+        for 0 and for the whole sequence; otherwise only while nothing has been evicted and the
+        prefix holds the same quantized groups (a quantized or evicted token cannot be undone)."""
         seq = self._seq(seq_id)
+        if n_tokens in (0, seq.n_seen):
+            return True
         layer = seq.layers[0]
-        if layer.n_groups or layer.n_tokens != seq.n_seen:
-            return 0
-        return seq.n_seen
+        if not 0 < n_tokens < seq.n_seen or layer.n_tokens != seq.n_seen:
+            return False
+        return eviction.held_counts(self.policy, n_tokens).quant_groups == layer.n_groups
 
     def truncate(self, seq_id: int, n_tokens: int) -> None:
-        """Keep the first ``n_tokens`` tokens; only prefixes up to ``reusable_prefix`` (or 0)."""
+        """Keep the first ``n_tokens`` tokens (see ``can_truncate``)."""
         seq = self._seq(seq_id)
+        if not self.can_truncate(seq_id, n_tokens):
+            raise ValueError(f"sequence {seq_id} of {seq.n_seen} tokens cannot be cut to {n_tokens} under KV "
+                             f"policy {self.policy}: start it again (truncate to 0)")
         if n_tokens == 0:
             self._seqs[seq_id] = _Sequence(self._new_layers())
-            return
-        if not 0 < n_tokens <= self.reusable_prefix(seq_id):
-            raise ValueError(f"sequence {seq_id} cannot be cut to {n_tokens} tokens under KV policy "
-                             f"{self.policy} (reusable prefix: {self.reusable_prefix(seq_id)})")
-        for layer in seq.layers:
-            keep = layer.full_idx.view < n_tokens
-            layer._keep_full(keep)
-        seq.n_seen = n_tokens
+        elif n_tokens < seq.n_seen:
+            for layer in seq.layers:
+                layer._keep_full(layer.full_idx.view < n_tokens)
+            seq.n_seen = n_tokens
+        self._sync_pool(seq_id)
 
     # -- accounting ----------------------------------------------------------------------------
     def kv_bytes(self, seq_id: int | None = None) -> int:
@@ -127,6 +145,12 @@ class PolicyKVCache:
         counts = [n_new] * len(seq_ids) if isinstance(n_new, int) else list(n_new)
         if len(counts) != len(seq_ids) or not counts or len(set(counts)) != 1 or counts[0] < 1:
             raise ValueError(f"every sequence in a step must add the same positive number of tokens, got {counts}")
+        pool = self.pool
+        need = sum(pool.blocks_for(self._seq(s).layers[0].n_tokens + counts[0]) - len(pool.block_table(s))
+                   for s in seq_ids)
+        if not pool.can_fit(need):
+            raise PoolExhausted(f"the KV pool is full ({pool.n_blocks} blocks of {pool.block_size} tokens, "
+                                f"{pool.free_blocks} free, {need} needed); give a larger --context or a smaller batch")
         for s in seq_ids:
             seq = self._seq(s)
             seq.pending, seq.attended = counts[0], set()
@@ -154,6 +178,7 @@ class PolicyKVCache:
             seq.attended.add(layer_idx)
             if len(seq.attended) == self.shape.n_layers:
                 seq.n_seen, seq.pending, seq.attended = seen, 0, set()
+                self._sync_pool(seq_id)
         return torch.stack(outs)
 
     def end_step(self) -> None:
@@ -165,6 +190,13 @@ class PolicyKVCache:
         if seq is None:
             raise KeyError(f"sequence {seq_id} is not in the cache")
         return seq
+
+    def _sync_pool(self, seq_id: int) -> None:
+        held, have = self._seqs[seq_id].layers[0].n_tokens, self.pool.length(seq_id)
+        if held > have:
+            self.pool.grow(seq_id, held - have)
+        else:
+            self.pool.truncate(seq_id, held)
 
     def _ids(self, seq_id: int | None) -> list[int]:
         return list(self._seqs) if seq_id is None else [seq_id]

@@ -8,6 +8,7 @@ import torch
 from localctx.backends.torch.rope import Rope
 from localctx.kvcache import cost
 from localctx.kvcache.attention import dense_attention
+from localctx.kvcache.block_pool import PoolExhausted
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.paged import CacheShape, PagedKVCache
 from localctx.kvcache.policy import KVPolicy
@@ -65,6 +66,10 @@ def test_every_combination_streams_with_exact_bytes_and_held_tokens(text):
             newest = min(n - policy.sinks, policy.window or n)
             assert set(range(n - newest, n)) <= set(idx.tolist()), "a token inside the window was evicted"
     assert cache.kv_bytes() == 2 * cost.kv_bytes(SPEC, policy, n)
+    assert cache.pool.length(0) == cost.held_tokens(policy, n)  # the pool's blocks cover what is held
+    cache.finish(0)
+    cache.finish(1)
+    assert cache.pool.free_blocks == cache.pool.n_blocks
 
 
 def test_full_precision_unbounded_policy_cache_equals_the_paged_cache():
@@ -146,15 +151,29 @@ def test_a_head_dim_that_is_not_a_multiple_of_the_group_is_refused_up_front():
         PolicyKVCache(PolicyCacheShape(L, HKV, 48), KVPolicy.parse("int4+g64"), Rope(48, 10000.0))
 
 
-def test_truncate_keeps_a_prefix_only_while_nothing_was_evicted_or_quantized():
+def test_truncate_keeps_a_prefix_only_while_nothing_was_evicted_or_quantized_away():
     cache = PolicyKVCache(SHAPE, KVPolicy.parse("int8+res64"), ROPE)
     list(stream(cache, [0], [20, 1, 1]))
-    assert cache.reusable_prefix(0) == 22
+    assert cache.can_truncate(0, 22) and cache.can_truncate(0, 10)
     cache.truncate(0, 10)
     assert cache.length(0) == 10 and cache.kv_tokens(0) == 10
-    list(stream(cache, [1], [200]))
-    assert cache.reusable_prefix(1) == 0
-    with pytest.raises(ValueError):
-        cache.truncate(1, 50)
+    assert cache.kv_bytes(0) == cost.kv_bytes(SPEC, cache.policy, 10)
+    list(stream(cache, [1], [200]))  # 4 groups quantized
+    assert cache.can_truncate(1, 200) and cache.can_truncate(1, 64 + 128) and not cache.can_truncate(1, 150)
+    with pytest.raises(ValueError, match="truncate to 0"):
+        cache.truncate(1, 150)
     cache.truncate(1, 0)
-    assert cache.kv_bytes(1) == 0
+    assert cache.kv_bytes(1) == 0 and cache.length(1) == 0
+    windowed = PolicyKVCache(SHAPE, KVPolicy.parse("fp16+win16"), ROPE)
+    list(stream(windowed, [0], [30]))
+    assert windowed.can_truncate(0, 30) and not windowed.can_truncate(0, 20)
+
+
+def test_a_full_pool_is_refused_before_the_step_and_a_window_streams_on_in_the_same_blocks():
+    small = PolicyCacheShape(L, HKV, D, torch.float32, capacity_tokens=96, block_size=16)
+    bounded = PolicyKVCache(small, KVPolicy.parse("int8+sink4+win40"), ROPE)
+    list(stream(bounded, [0], [30] + [1] * 170))  # 200 tokens through 96 tokens of blocks
+    assert bounded.pool.used_blocks == -(-cost.held_tokens(bounded.policy, 200) // 16)
+    unbounded = PolicyKVCache(small, KVPolicy.parse("int8"), ROPE)
+    with pytest.raises(PoolExhausted, match="pool is full"):
+        list(stream(unbounded, [0], [30, 30, 30]))
