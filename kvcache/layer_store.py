@@ -156,11 +156,10 @@ class LayerStore:
         H, D = self.full_k.buf.shape[1:]
         k = self.full_k.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
         v = self.full_v.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
-        for i in range(n_groups):
-            qk = quant.quantize_keys(k[i], p.bits)
-            qv = quant.quantize_values(v[i], p.bits, g)
-            self.qk_codes.append(qk.codes[None]); self.qk_scale.append(qk.scale[None]); self.qk_min.append(qk.min[None])
-            self.qv_codes.append(qv.codes[None]); self.qv_scale.append(qv.scale[None]); self.qv_min.append(qv.min[None])
+        qk = quant.quantize_keys(k, p.bits)  # all the aged groups at once
+        qv = quant.quantize_values(v, p.bits, g)
+        self.qk_codes.append(qk.codes); self.qk_scale.append(qk.scale); self.qk_min.append(qk.min)
+        self.qv_codes.append(qv.codes); self.qv_scale.append(qv.scale); self.qv_min.append(qv.min)
         self.q_idx.append(self.full_idx.view[take].reshape(n_groups, g))
         self.q_mass.append(self.full_mass.view[take].reshape(n_groups, g))
         keep = torch.ones(self.full_idx.n, dtype=torch.bool, device=idx.device)

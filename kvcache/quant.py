@@ -85,9 +85,9 @@ def _pack(q: QuantizedTensor) -> QuantizedTensor:
 
 
 def quantize_keys(k: torch.Tensor, bits: int) -> QuantizedTensor:
-    """k: [H, g, D] (one group of g tokens, before RoPE) → per-channel groups over the g tokens.
-    Returns codes [H, g, D*bits/8], scale/min [H, 1, D]."""
-    return _pack(_affine(k, bits, dim=1))
+    """k: [..., H, g, D] (groups of g tokens, before RoPE) → per-channel groups over the g tokens.
+    Returns codes [..., H, g, D*bits/8], scale/min [..., H, 1, D]."""
+    return _pack(_affine(k, bits, dim=-2))
 
 
 def dequantize_keys(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -96,14 +96,14 @@ def dequantize_keys(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> t
 
 
 def quantize_values(v: torch.Tensor, bits: int, group_size: int) -> QuantizedTensor:
-    """v: [H, g, D] → per-token groups of ``group_size`` channels.
-    Returns codes [H, g, D*bits/8], scale/min [H, g, D/group_size]."""
-    H, g, D = v.shape
+    """v: [..., H, g, D] → per-token groups of ``group_size`` channels.
+    Returns codes [..., H, g, D*bits/8], scale/min [..., H, g, D/group_size]."""
+    lead, D = v.shape[:-1], v.shape[-1]
     if D % group_size:
         raise UserError(f"head dim {D} is not a multiple of the quantization group size {group_size}; "
                         "use --kv with g32, or full precision")
-    q = _affine(v.reshape(H, g, D // group_size, group_size), bits, dim=-1)
-    codes = q.codes.reshape(H, g, D)
+    q = _affine(v.reshape(*lead, D // group_size, group_size), bits, dim=-1)
+    codes = q.codes.reshape(*lead, D)
     return _pack(QuantizedTensor(codes, q.scale.squeeze(-1), q.min.squeeze(-1), bits))
 
 
