@@ -81,3 +81,18 @@ def test_a_head_dim_the_group_does_not_divide_is_refused_before_generation(tmp_p
     path = write_gguf(tmp_path / "t.gguf", cfg, tiny_weights(cfg, seed=1))
     with pytest.raises(UserError, match="not a multiple of the group size"):
         session_for(path, "int4")
+
+
+@pytest.mark.parametrize("text", ["int8+res16", "int4+sink4+win40"])
+def test_batched_decode_under_a_policy_matches_one_at_a_time(tiny_gguf, text):
+    prompts = ["the hat in the tent " * 3, "the sea " * 9]
+    params = GenerationParams(max_tokens=30)
+    batch = session_for(tiny_gguf, text, context=256)
+    together: dict[int, list[int]] = {0: [], 1: []}
+    for i, event in batch.generate_batch(prompts, params):
+        if event.kind == "token":
+            together[i].append(event.token)
+    for i, prompt in enumerate(prompts):
+        alone = [e.token for e in session_for(tiny_gguf, text, context=256).generate(prompt, params)
+                 if e.kind == "token"]
+        assert together[i] == alone
