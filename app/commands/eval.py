@@ -20,7 +20,8 @@ def register(sub) -> None:
     p.add_argument("--kv", action="append", default=[], metavar="POLICY",
                    help="a KV policy to evaluate (repeatable), e.g. int8, int4+res128, int4+sink4+win2048")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of text streamed for perplexity (default 8192)")
-    p.add_argument("--chunk", type=int, default=128, help="tokens per forward while streaming (default 128)")
+    p.add_argument("--chunk", type=int, default=128,
+                   help="tokens per forward while streaming text or a passkey prompt (default 128)")
     p.add_argument("--score-from", type=int, default=0, metavar="N",
                    help="score only the predictions of tokens N.. (e.g. past the trained context)")
     p.add_argument("--segment", type=int, default=0, metavar="N", help="also report perplexity per N tokens")
@@ -48,14 +49,14 @@ def _numbers(text: str, kind, what: str) -> tuple:
 def tasks_from(args: argparse.Namespace):
     from localctx.backends.torch.evaluate import NeedleTask, PerplexityTask
 
+    if args.chunk < 1:
+        raise UserError(f"--chunk {args.chunk} must be at least 1")
     if args.no_perplexity and args.no_needle:
         raise UserError("--no-perplexity and --no-needle leave nothing to measure; drop one")
     ppl = None
     if not args.no_perplexity:
         if args.tokens < 64:
             raise UserError(f"--tokens {args.tokens} is too few for a perplexity; give at least 64")
-        if args.chunk < 1:
-            raise UserError(f"--chunk {args.chunk} must be at least 1")
         if not 0 <= args.score_from < args.tokens - 1:
             raise UserError(f"--score-from {args.score_from} must lie inside the {args.tokens} tokens")
         ppl = PerplexityTask(args.tokens, args.chunk, args.score_from, max(0, args.segment))
@@ -67,7 +68,7 @@ def tasks_from(args: argparse.Namespace):
             raise UserError("--needle-lengths must be at least 128 tokens each")
         if not all(0 <= d <= 1 for d in depths):
             raise UserError("--needle-depths must lie in [0, 1] (0 = start of the context, 1 = end)")
-        needle = NeedleTask(lengths, depths)
+        needle = NeedleTask(lengths, depths, chunk=max(1, args.chunk))
     return ppl, needle
 
 

@@ -47,6 +47,7 @@ class NeedleTask:
     depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     answer_tokens: int = 6
     seed: int = 0
+    chunk: int = 128  # prefill chunk: the prompt streams through the cache as in perplexity
 
 
 @dataclass
@@ -136,17 +137,16 @@ class PolicyEvaluator:
             for depth in task.depths:
                 key = str(rng.randint(10000, 99999))
                 ids = self.passkey_prompt(length, depth, key)
-                answer = self._greedy(policy, ids, task.answer_tokens)
+                answer = self._greedy(policy, ids, task.answer_tokens, task.chunk)
                 hit = answer.strip().startswith(key)
                 hits += hit
                 grid.append({"length": length, "tokens": len(ids), "depth": depth, "key": key,
                              "answer": answer, "hit": hit})
         return NeedleResult(hits, len(grid), grid, time.perf_counter() - started)
 
-    def _greedy(self, policy: KVPolicy, ids: list[int], n_new: int) -> str:
+    def _greedy(self, policy: KVPolicy, ids: list[int], n_new: int, chunk: int) -> str:
         cache = self._cache(policy, len(ids) + n_new)
         tokens = torch.tensor(ids, dtype=torch.long)
-        chunk = 512
         for start in range(0, len(ids), chunk):
             logits = self._forward(cache, tokens[start:start + chunk], all_logits=False)
         out = []
