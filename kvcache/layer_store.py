@@ -164,7 +164,7 @@ class LayerStore:
         self.q_mass.append(self.full_mass.view[take].reshape(n_groups, g))
         keep = torch.ones(self.full_idx.n, dtype=torch.bool, device=idx.device)
         keep[take] = False
-        self._keep_full(keep)
+        self.keep_full(keep)
 
     def evict(self, n_seen: int) -> None:
         """Drop units outside the window that are not among the heaviest (rules 3 and 4)."""
@@ -178,7 +178,7 @@ class LayerStore:
         if bool(out.any()):
             keep = ~out
             keep[out] = keep_heaviest(self.full_mass.view[out], 0 if self.quantizes else self.heavy_units)
-            self._keep_full(keep)
+            self.keep_full(keep)
         if self.n_groups:
             q_idx = self.q_idx.view
             out = leaving(q_idx[:, -1] - S, m, p.window, torch.zeros_like(q_idx[:, -1], dtype=torch.bool))
@@ -188,6 +188,6 @@ class LayerStore:
                 for rows in self._quant_rows():
                     rows.keep(keep)
 
-    def _keep_full(self, keep: torch.Tensor) -> None:
+    def keep_full(self, keep: torch.Tensor) -> None:
         for rows in (self.full_k, self.full_v, self.full_idx, self.full_mass):
             rows.keep(keep)
