@@ -83,13 +83,22 @@ def handle(args: argparse.Namespace) -> int:
     ref, _ = resolve_model(SessionRequest(model=args.model, backend="torch"))
     loaded = load_model(ref, TorchOptions.from_env())
     evaluator = PolicyEvaluator(loaded.model, loaded.tokenizer)
-    progress = None if args.json else (lambda r: print(f"  measured {r.policy}", file=sys.stderr, flush=True))
+    progress = None if args.json else (lambda r: print(f"  measured {progress_line(r)}", file=sys.stderr, flush=True))
     reports = evaluate(evaluator, policies, ppl, needle, progress, baseline=not args.no_baseline)
     if args.json:
         print(json.dumps(as_json(ref.name, ppl, needle, reports), indent=2))
     else:
         print(table(ref.name, ppl, needle, reports))
     return 0
+
+
+def progress_line(r) -> str:
+    parts = [r.policy]
+    if r.perplexity:
+        parts.append(f"ppl {r.perplexity.ppl:.3f} ({r.perplexity.seconds:.0f} s)")
+    if r.needle:
+        parts.append(f"passkey {r.needle.hits}/{r.needle.total} ({r.needle.seconds:.0f} s)")
+    return ", ".join(parts)
 
 
 def as_json(model: str, ppl, needle, reports) -> dict:
