@@ -79,6 +79,10 @@ class PagedKVCache:
     def finish(self, seq_id: int) -> None:
         self.pool.finish(seq_id)
 
+    def can_truncate(self, seq_id: int, n_tokens: int) -> bool:
+        """Any prefix can be kept (the policy cache answers this per policy)."""
+        return 0 <= n_tokens <= self.pool.length(seq_id)
+
     def truncate(self, seq_id: int, n_tokens: int) -> None:
         """Forget every token of the sequence after the first ``n_tokens`` (a conversation that
         diverged from what is cached keeps only the common prefix)."""

@@ -24,7 +24,8 @@ from localctx.backends.torch.model import LlamaModel
 from localctx.backends.torch.session import TorchSession
 from localctx.backends.torch.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE, CacheShape, PagedKVCache
+from localctx.kvcache.factory import CacheRequest, make_kv_cache
+from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.spec import ModelSpec
 
@@ -99,12 +100,16 @@ def load_model(ref: ModelRef, options: TorchOptions) -> LoadedModel:
 
 def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> TorchSession:
     c = loaded.model.config
-    shape = CacheShape.for_tokens(options.pool_tokens or plan.context, block_size=options.block_size,
-                                  n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                  dtype=options.dtype, device=options.device)
-    cache = PagedKVCache(shape, loaded.model.make_rope())
+    policy = plan.policy
+    tokens = options.pool_tokens or plan.context
+    if policy.capacity() is not None:  # a windowed cache holds up to its capacity, plus a group and a chunk
+        tokens = max(tokens, policy.capacity() + policy.group_size + options.prefill_chunk)
+    req = CacheRequest(c.n_layers, c.n_kv_heads, c.head_dim, capacity_tokens=tokens, dtype=options.dtype,
+                       device=options.device, block_size=options.block_size)
+    cache = make_kv_cache(policy, req, loaded.model.make_rope())  # paged full precision, or the policy cache
     engine = Engine(loaded.model, cache, EngineOptions(prefill_chunk=options.prefill_chunk))
-    spec = dataclasses.replace(loaded.spec, kv_elem_bytes=shape.elem_bytes, weight_bytes=loaded.model.weight_bytes())
+    elem_bytes = torch.empty((), dtype=options.dtype).element_size()
+    spec = dataclasses.replace(loaded.spec, kv_elem_bytes=elem_bytes, weight_bytes=loaded.model.weight_bytes())
     return TorchSession(engine, loaded.tokenizer, spec, plan)
 
 
@@ -118,8 +123,9 @@ class TorchBackend(Backend):
         return self._options or TorchOptions.from_env()
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16}), batch=True,
-                            notes=("full-precision paged KV; the model's own graph in torch",))
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), residual=True, sinks_window=True, heavy=True, batch=True,
+                            notes=("full-precision paged KV, or the policy cache (quantized, sinks + window, "
+                                   "heavy hitters); the model's own graph in torch",))
 
     def load(self, model: ModelRef, plan: Plan) -> TorchSession:
         refusals = self.refusals(plan.policy)

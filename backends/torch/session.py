@@ -56,6 +56,8 @@ class TorchSession(Session):
     def capped(self, n_prompt: int, params: GenerationParams) -> GenerationParams:
         """Refuse prompts that do not fit; generation stops ('length') where the context ends."""
         check_prompt_fits(n_prompt, self.plan, self.spec, params.max_tokens)
+        if self.plan.policy.evicts:
+            return params  # a windowed cache streams on past the context at fixed memory
         room = self.plan.context - n_prompt
         if room < params.max_tokens:
             return dataclasses.replace(params, max_tokens=room)
@@ -89,6 +91,8 @@ class TorchSession(Session):
             cache.add_sequence(CONVERSATION)
             self.history = []
         reused = min(common_prefix(self.history, ids), len(ids) - 1)  # at least one token is prefilled
+        if not cache.can_truncate(CONVERSATION, reused):
+            reused = 0  # a quantized or evicted prefix cannot be cut back: prefill again
         cache.truncate(CONVERSATION, reused)
         self.history = self.history[:reused]
         clock = StatsClock(backend="torch", policy=str(self.plan.policy), prompt_tokens=len(ids),
@@ -100,7 +104,9 @@ class TorchSession(Session):
                 try:
                     logits = self.engine.prefill(CONVERSATION, ids[reused:])
                 except BaseException:
-                    cache.truncate(CONVERSATION, len(self.history))  # keep cache and history in step
+                    keep = len(self.history) if cache.can_truncate(CONVERSATION, len(self.history)) else 0
+                    cache.truncate(CONVERSATION, keep)  # keep cache and history in step
+                    del self.history[keep:]
                     raise
                 self.history.extend(ids[reused:])
                 while True:
