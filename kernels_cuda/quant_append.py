@@ -145,7 +145,7 @@ def quantize_append(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int
     quant.check_bits(bits)
     G, H, g, D = k.shape
     if g != group_size or D % group_size or v.shape != k.shape:
-        raise ValueError(f"quantize_append needs k, v of [G, H, {group_size}, D] with D a multiple of "
+        raise ValueError(f"quantize_append takes whole groups: k, v of [G, H, {group_size}, D] with D a multiple of "
                          f"{group_size}; got {tuple(k.shape)} and {tuple(v.shape)}")
     if G == 0:
         return
