@@ -47,8 +47,10 @@ class Rows:
 
 class LayerStore:
     def __init__(self, policy: KVPolicy, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str | torch.device, quantizes: bool, heavy_units: int):
+                 device: str | torch.device, quantizes: bool, heavy_units: int, quantize_groups=None):
         self.policy = policy
+        # (k, v [G, H, g, D], bits, g) -> stacked (keys, values); None: kvcache.quant per group
+        self.quantize_groups = quantize_groups
         self.quantizes = quantizes
         self.heavy_units = heavy_units
         H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
@@ -156,11 +158,16 @@ class LayerStore:
         H, D = self.full_k.buf.shape[1:]
         k = self.full_k.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
         v = self.full_v.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
-        for i in range(n_groups):
-            qk = quant.quantize_keys(k[i], p.bits)
-            qv = quant.quantize_values(v[i], p.bits, g)
-            self.qk_codes.append(qk.codes[None]); self.qk_scale.append(qk.scale[None]); self.qk_min.append(qk.min[None])
-            self.qv_codes.append(qv.codes[None]); self.qv_scale.append(qv.scale[None]); self.qv_min.append(qv.min[None])
+        if self.quantize_groups is not None:  # one batched call (a fused kernel on CUDA)
+            qk, qv = self.quantize_groups(k, v, p.bits, g)
+            self.qk_codes.append(qk.codes); self.qk_scale.append(qk.scale); self.qk_min.append(qk.min)
+            self.qv_codes.append(qv.codes); self.qv_scale.append(qv.scale); self.qv_min.append(qv.min)
+        else:
+            for i in range(n_groups):
+                qk = quant.quantize_keys(k[i], p.bits)
+                qv = quant.quantize_values(v[i], p.bits, g)
+                self.qk_codes.append(qk.codes[None]); self.qk_scale.append(qk.scale[None]); self.qk_min.append(qk.min[None])
+                self.qv_codes.append(qv.codes[None]); self.qv_scale.append(qv.scale[None]); self.qv_min.append(qv.min[None])
         self.q_idx.append(self.full_idx.view[take].reshape(n_groups, g))
         self.q_mass.append(self.full_mass.view[take].reshape(n_groups, g))
         keep = torch.ones(self.full_idx.n, dtype=torch.bool, device=idx.device)
