@@ -176,4 +176,4 @@ def test_a_full_pool_is_refused_before_the_step_and_a_window_streams_on_in_the_s
     assert bounded.pool.used_blocks == -(-cost.held_tokens(bounded.policy, 200) // 16)
     unbounded = PolicyKVCache(small, KVPolicy.parse("int8"), ROPE)
     with pytest.raises(PoolExhausted, match="pool is full"):
-        list(stream(unbounded, [0], [30, 30, 30]))
+        list(stream(unbounded, [0], [30, 30, 30, 30]))
