@@ -27,12 +27,33 @@ import triton.language as tl
 NEG_BIG = -1.0e30  # the running max starts finite, so fully masked tiles never make NaNs
 
 
+ROPE_TILE = tl.constexpr(64)  # offsets covered by the rope table (>= every tile's token count)
+
+
 @triton.jit
-def _rotate(x1, x2, pos, inv_freq_ptr, HALF: tl.constexpr):
-    freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))
-    angle = pos.to(tl.float32)[:, None] * freq[None, :]
-    c = tl.cos(angle)
-    s = tl.sin(angle)
+def _rotate(x1, x2, pos, rope_ptr, HALF: tl.constexpr):
+    """Rotate a tile of keys. ``rope_ptr``: fp32 [inv_freq (HALF) | cos (ROPE_TILE, HALF) |
+    sin (ROPE_TILE, HALF)] of offset × frequency. When the tile's positions span less than
+    ROPE_TILE (always for a quantized group; for contiguous full tokens) the angle is split as
+    base + offset: one cos/sin per channel for the tile's base and the table for the offsets,
+    instead of a (slow, range-reduced) cos/sin per key and channel."""
+    half = tl.arange(0, HALF)
+    freq = tl.load(rope_ptr + half)
+    base = tl.min(pos, 0)
+    off = pos - base
+    if tl.max(off, 0) < ROPE_TILE:
+        a = base.to(tl.float32) * freq
+        c0 = tl.cos(a)[None, :]
+        s0 = tl.sin(a)[None, :]
+        table = rope_ptr + HALF + off[:, None] * HALF + half[None, :]
+        co = tl.load(table)
+        so = tl.load(table + ROPE_TILE * HALF)
+        c = c0 * co - s0 * so
+        s = s0 * co + c0 * so
+    else:
+        angle = pos.to(tl.float32)[:, None] * freq[None, :]
+        c = tl.cos(angle)
+        s = tl.sin(angle)
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
@@ -48,7 +69,7 @@ def _unpack(codes_ptr, row_off, ch, BITS: tl.constexpr):
 
 @triton.jit
 def _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_heads, max_groups,
-                inv_freq_ptr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+                rope_ptr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
                 ROPE: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     PACKED: tl.constexpr = HEAD_DIM * BITS // 8
@@ -65,7 +86,7 @@ def _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_head
     k2 = _unpack(kq_ptr, row_off, half + HALF, BITS) * s2[None, :] + m2[None, :]
     pos = tl.load(gpos_ptr + (b * max_groups + t) * GROUP + tok)
     if ROPE:
-        k1, k2 = _rotate(k1, k2, pos, inv_freq_ptr, HALF)
+        k1, k2 = _rotate(k1, k2, pos, rope_ptr, HALF)
     return k1, k2, pos
 
 
@@ -94,7 +115,7 @@ def _full_rows(btab_ptr, b, t, n_full, block_size, max_blocks, BLOCK_N: tl.const
 
 @triton.jit
 def _full_keys(kf_ptr, btab_ptr, fpos_ptr, b, h, t, n_full, block_size, max_blocks, sf_blk, sf_tok,
-               sf_head, s_fpos, inv_freq_ptr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+               sf_head, s_fpos, rope_ptr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                ROPE: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     half = tl.arange(0, HALF)
@@ -103,8 +124,9 @@ def _full_keys(kf_ptr, btab_ptr, fpos_ptr, b, h, t, n_full, block_size, max_bloc
     k1 = tl.load(kf_ptr + base[:, None] + half[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     k2 = tl.load(kf_ptr + base[:, None] + HALF + half[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     pos = tl.load(fpos_ptr + b * s_fpos + j, mask=ok, other=0)
+    pos = tl.where(ok, pos, tl.max(pos, 0))  # padding keys (masked anyway) keep the tile's span short
     if ROPE:
-        k1, k2 = _rotate(k1, k2, pos, inv_freq_ptr, HALF)
+        k1, k2 = _rotate(k1, k2, pos, rope_ptr, HALF)
     return k1, k2, pos, ok
 
 
@@ -157,7 +179,7 @@ def _load_rows(q_ptr, qpos_ptr, pid_bh, b, rows, n_rows, HEAD_DIM: tl.constexpr)
 
 
 @triton.jit
-def partial_kernel(q_ptr, qpos_ptr, inv_freq_ptr,
+def partial_kernel(q_ptr, qpos_ptr, rope_ptr,
                    kq_ptr, kqs_ptr, kqm_ptr, vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, gpos_ptr, ngroups_ptr,
                    kf_ptr, vf_ptr, btab_ptr, fpos_ptr, nfull_ptr,
                    o_ptr, m_ptr, l_ptr,
@@ -189,7 +211,7 @@ def partial_kernel(q_ptr, qpos_ptr, inv_freq_ptr,
         all_ok = tl.full([GROUP], 1, tl.int1)
         for t in range(t0, tl.minimum(t1, n_groups)):
             k1, k2, kpos = _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_heads,
-                                       max_groups, inv_freq_ptr, HEAD_DIM, GROUP, BITS, ROPE)
+                                       max_groups, rope_ptr, HEAD_DIM, GROUP, BITS, ROPE)
             s = _scores(q1, q2, k1, k2, _visible(kpos, all_ok, qpos, sinks, window), qk_scale, PRECISION)
             v = _quant_values(vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, b, h, t, n_kv_heads, max_groups,
                               HEAD_DIM, GROUP, BITS)
@@ -197,7 +219,7 @@ def partial_kernel(q_ptr, qpos_ptr, inv_freq_ptr,
     for t in range(tl.maximum(t0, n_groups), t1):
         tf = t - n_groups
         k1, k2, kpos, key_ok = _full_keys(kf_ptr, btab_ptr, fpos_ptr, b, h, tf, n_full, block_size, max_blocks,
-                                          sf_blk, sf_tok, sf_head, s_fpos, inv_freq_ptr, HEAD_DIM, BLOCK_N, ROPE)
+                                          sf_blk, sf_tok, sf_head, s_fpos, rope_ptr, HEAD_DIM, BLOCK_N, ROPE)
         s = _scores(q1, q2, k1, k2, _visible(kpos, key_ok, qpos, sinks, window), qk_scale, PRECISION)
         v = _full_values(vf_ptr, btab_ptr, b, h, tf, n_full, block_size, max_blocks, sv_blk, sv_tok, sv_head,
                          HEAD_DIM, BLOCK_N)
@@ -234,7 +256,7 @@ def merge_kernel(o_part_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, n_rows,
 
 
 @triton.jit
-def mass_kernel(q_ptr, qpos_ptr, lse_ptr, inv_freq_ptr,
+def mass_kernel(q_ptr, qpos_ptr, lse_ptr, rope_ptr,
                 kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, ngroups_ptr,
                 kf_ptr, btab_ptr, fpos_ptr, nfull_ptr, mass_ptr,
                 n_rows, n_kv_heads, max_groups, block_size, max_blocks, s_fpos, n_keys_max,
@@ -254,7 +276,7 @@ def mass_kernel(q_ptr, qpos_ptr, lse_ptr, inv_freq_ptr,
     if t < n_groups:
         all_ok = tl.full([GROUP], 1, tl.int1)
         k1, k2, kpos = _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_heads,
-                                   max_groups, inv_freq_ptr, HEAD_DIM, GROUP, BITS, ROPE)
+                                   max_groups, rope_ptr, HEAD_DIM, GROUP, BITS, ROPE)
         mass = tl.zeros([GROUP], tl.float32)
         for mb in range(0, tl.cdiv(n_rows, BLOCK_M)):
             rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -266,7 +288,7 @@ def mass_kernel(q_ptr, qpos_ptr, lse_ptr, inv_freq_ptr,
     elif t - n_groups < tl.cdiv(n_full, BLOCK_N):
         tf = t - n_groups
         k1, k2, kpos, key_ok = _full_keys(kf_ptr, btab_ptr, fpos_ptr, b, h, tf, n_full, block_size, max_blocks,
-                                          sf_blk, sf_tok, sf_head, s_fpos, inv_freq_ptr, HEAD_DIM, BLOCK_N, ROPE)
+                                          sf_blk, sf_tok, sf_head, s_fpos, rope_ptr, HEAD_DIM, BLOCK_N, ROPE)
         mass = tl.zeros([BLOCK_N], tl.float32)
         for mb in range(0, tl.cdiv(n_rows, BLOCK_M)):
             rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -77,6 +77,13 @@ def _splits(config: LaunchConfig, n_tiles: int, programs: int, device: torch.dev
     return max(1, min(n_tiles, 64, math.ceil(2 * sms / max(programs, 1))))
 
 
+def rope_table(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """fp32 [inv_freq | cos(off·f) | sin(off·f)] for off < ROPE_TILE, built in float64."""
+    inv = inv_freq.to(device=device, dtype=torch.float64)
+    angles = torch.outer(torch.arange(K.ROPE_TILE.value, device=device, dtype=torch.float64), inv)
+    return torch.cat([inv, angles.cos().reshape(-1), angles.sin().reshape(-1)]).to(torch.float32)
+
+
 def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | None, *,
                   inv_freq: torch.Tensor | None, scale: float, mask: KeyMask = KeyMask(),
                   want_mass: bool = False, config: LaunchConfig = LaunchConfig()
@@ -92,6 +99,8 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
     qg = q.reshape(B, T, Hkv, rep, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, rows, D).contiguous()
     qpos = queries.positions.to(torch.int64).repeat_interleave(rep, dim=1).contiguous()
     g = quant.group_size if quant is not None else 16
+    if max(g, config.block_n) > K.ROPE_TILE.value:
+        raise ValueError(f"tiles of {max(g, config.block_n)} keys exceed the rope table ({K.ROPE_TILE.value})")
     max_groups = quant.group_table.shape[1] if quant is not None else 0
     n_tiles = max_groups + math.ceil(full.max_tokens / config.block_n)
     m_blocks = math.ceil(rows / BLOCK_M)
@@ -101,7 +110,7 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
     l_part = torch.empty_like(m_part)
     dummy = qpos  # stands in for the pointers of an absent segment (never read)
     qz = quant
-    rope = inv_freq.to(device=dev, dtype=torch.float32).contiguous() if inv_freq is not None else dummy
+    rope = rope_table(inv_freq, dev) if inv_freq is not None else dummy
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     window = mask.window or 0
     qk_scale = scale * LOG2E
