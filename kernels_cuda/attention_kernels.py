@@ -157,12 +157,13 @@ def _scores(q1, q2, k1, k2, vis, qk_scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _online(s, v, m_i, l_i, acc, PRECISION: tl.constexpr, DTYPE: tl.constexpr):
+def _online(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One tile of the online softmax; ``v`` is already in the queries' dtype."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v.to(DTYPE), input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -215,7 +216,7 @@ def partial_kernel(q_ptr, qpos_ptr, rope_ptr,
             s = _scores(q1, q2, k1, k2, _visible(kpos, all_ok, qpos, sinks, window), qk_scale, PRECISION)
             v = _quant_values(vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, b, h, t, n_kv_heads, max_groups,
                               HEAD_DIM, GROUP, BITS)
-            m_i, l_i, acc = _online(s, v, m_i, l_i, acc, PRECISION, q1.dtype)
+            m_i, l_i, acc = _online(s, v.to(q1.dtype), m_i, l_i, acc, PRECISION)
     for t in range(tl.maximum(t0, n_groups), t1):
         tf = t - n_groups
         k1, k2, kpos, key_ok = _full_keys(kf_ptr, btab_ptr, fpos_ptr, b, h, tf, n_full, block_size, max_blocks,
@@ -223,7 +224,7 @@ def partial_kernel(q_ptr, qpos_ptr, rope_ptr,
         s = _scores(q1, q2, k1, k2, _visible(kpos, key_ok, qpos, sinks, window), qk_scale, PRECISION)
         v = _full_values(vf_ptr, btab_ptr, b, h, tf, n_full, block_size, max_blocks, sv_blk, sv_tok, sv_head,
                          HEAD_DIM, BLOCK_N)
-        m_i, l_i, acc = _online(s, v, m_i, l_i, acc, PRECISION, q1.dtype)
+        m_i, l_i, acc = _online(s, v.to(q1.dtype), m_i, l_i, acc, PRECISION)
     part = (pid_bh.to(tl.int64) * N_SPLITS + split) * n_rows + rows
     dim = tl.arange(0, HEAD_DIM)
     tl.store(o_ptr + part[:, None] * HEAD_DIM + dim[None, :], acc, mask=row_ok[:, None])

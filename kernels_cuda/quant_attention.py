@@ -25,6 +25,8 @@ class RotaryWithFrequencies(Protocol):
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
 
+# Everything below builds device tensors with kernels (arange/full), never from host lists, so a
+# call can be captured in a CUDA graph.
 def _full_segment(full: FullTokens, dtype: torch.dtype) -> FullSegment:
     k, v = full.k.to(dtype), full.v.to(dtype)
     if k.stride(-1) != 1:
@@ -36,7 +38,7 @@ def _full_segment(full: FullTokens, dtype: torch.dtype) -> FullSegment:
     return FullSegment(k=k, v=v, k_strides=(0, k.stride(1), k.stride(0)), v_strides=(0, v.stride(1), v.stride(0)),
                        block_table=torch.zeros((1, 1), dtype=torch.int32, device=dev), block_size=max(N, 1),
                        positions=full.positions.reshape(1, -1).contiguous(),
-                       n_tokens=torch.tensor([N], dtype=torch.int32, device=dev), max_tokens=N, n_kv_heads=Hkv)
+                       n_tokens=torch.full((1,), N, dtype=torch.int32, device=dev), max_tokens=N, n_kv_heads=Hkv)
 
 
 def _quant_segment(quant: QuantGroups | None) -> QuantSegment | None:
@@ -47,7 +49,7 @@ def _quant_segment(quant: QuantGroups | None) -> QuantSegment | None:
     c = [t.contiguous() for t in (quant.k.codes, quant.k.scale, quant.k.min, quant.v.codes, quant.v.scale, quant.v.min)]
     return QuantSegment(*c, group_table=torch.arange(G, dtype=torch.int32, device=dev).reshape(1, G),
                         positions=quant.positions.reshape(1, G, -1).contiguous(),
-                        n_groups=torch.tensor([G], dtype=torch.int32, device=dev), bits=quant.k.bits,
+                        n_groups=torch.full((1,), G, dtype=torch.int32, device=dev), bits=quant.k.bits,
                         group_size=quant.group_size)
 
 

@@ -136,3 +136,42 @@ def test_paged_cache_stream_matches_reference(monkeypatch):
         outs.append(got)
     for a, b in zip(outs[1], outs[0]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _bench_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_attention_bench.py"
+    spec = importlib.util.spec_from_file_location("cuda_attention_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_refuses_to_run_without_a_gpu(capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    assert _bench_module().main(["--contexts", "4096"]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+@needs_triton
+def test_gpu_benchmark_variants_compute_the_reference_result(monkeypatch):
+    """The benchmark's inputs and calls, on CPU through the interpreter: every timed variant
+    returns what its reference returns (so a GPU run times correct kernels)."""
+    monkeypatch.setenv(dispatch.ENV, "interpret")
+    bench = _bench_module()
+    args = bench.parse_args(["--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--residual", "16"])
+    rope = Rope(64, 500000.0)
+    torch.manual_seed(0)
+    case = bench.build_case(112, args, rope, "cpu", torch.float32)
+    variants = bench.variants(case, args, rope)
+    assert [v.name for v in variants] == ["fp16-sdpa", "fp16-triton", "int8", "int4"]
+    for var in variants:
+        assert var.check() < 1e-3, var.name
+    fp16_bytes, int8, int4 = variants[0].bytes_read, variants[2].bytes_read, variants[3].bytes_read
+    assert fp16_bytes == 2 * 2 * 112 * 64 * 4  # K and V, fp32 here
+    assert int4 < int8 < fp16_bytes
