@@ -23,6 +23,7 @@ from localctx.backends.torch.linear import WEIGHT_FORMATS
 from localctx.backends.torch.model import LlamaModel
 from localctx.backends.torch.session import TorchSession
 from localctx.backends.torch.tokenizer import TextTokenizer, from_gguf, from_hf_folder
+from localctx.kernels_cuda import dispatch
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE, CacheShape, PagedKVCache
 from localctx.kvcache.plan import Plan
@@ -100,7 +101,7 @@ def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> Tor
     shape = CacheShape.for_tokens(options.pool_tokens or plan.context, block_size=options.block_size,
                                   n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                                   dtype=options.dtype, device=options.device)
-    cache = PagedKVCache(shape, loaded.model.make_rope())
+    cache = PagedKVCache(shape, loaded.model.make_rope(), attention=dispatch.paged_attention(options.device))
     engine = Engine(loaded.model, cache, EngineOptions(prefill_chunk=options.prefill_chunk))
     spec = dataclasses.replace(loaded.spec, kv_elem_bytes=shape.elem_bytes, weight_bytes=loaded.model.weight_bytes())
     return TorchSession(engine, loaded.tokenizer, spec, plan)
