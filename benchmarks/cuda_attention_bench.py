@@ -183,9 +183,26 @@ def variants(case: Case, args, rope) -> list[Variant]:
         as_float = FullTokens(full.k.float(), full.v.float(), full.positions)
         want = lambda as_float=as_float, groups=groups: reference(case.q_raw.float(), case.q_pos, as_float, groups,
                                                                   rope).out
-        err = lambda call=call, want=want: (call().out.float() - want()).abs().max().item()
+        err = lambda call=call, want=want, groups=groups, bits=bits: max(
+            (call().out.float() - want()).abs().max().item(), _quantizer_mismatch(case, groups, bits, args))
         out.append(Variant(f"int{bits}", call, read, err))
     return out
+
+
+def _quantizer_mismatch(case: Case, groups, bits: int, args) -> float:
+    """0 when the quantise kernel's first groups equal kvcache.quant's, bit for bit; inf otherwise."""
+    from localctx.kernels_cuda.dispatch import quantize_groups_reference
+
+    n = min(4, groups.n_groups)
+    _, Hkv, _, D = case.k.shape
+    g = args.group
+    k = case.k[0, :, :n * g].reshape(Hkv, n, g, D).transpose(0, 1)
+    v = case.v[0, :, :n * g].reshape(Hkv, n, g, D).transpose(0, 1)
+    rk, rv = quantize_groups_reference(k, v, bits, g)
+    same = all(torch.equal(a[:n], b) for a, b in ((groups.k.codes, rk.codes), (groups.k.scale, rk.scale),
+                                                  (groups.k.min, rk.min), (groups.v.codes, rv.codes),
+                                                  (groups.v.scale, rv.scale), (groups.v.min, rv.min)))
+    return 0.0 if same else float("inf")
 
 
 def measure(L: int, args, rope, peak: float | None, copy: float, check: bool) -> list[Row]:
