@@ -35,17 +35,23 @@ def gather_blocks(blocks: torch.Tensor, block_tables: torch.Tensor, contiguous_f
     return blocks.index_select(0, block_tables.reshape(-1)).reshape(B, n * bs, H, D)
 
 
-def causal_mask(q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """[B, 1, T, L] bool: key j is visible to the query at position p iff j <= p."""
-    keys = torch.arange(n_keys, device=q_positions.device)
-    return (keys[None, None, :] <= q_positions[:, :, None])[:, None]
+def causal_mask(q_positions: torch.Tensor, n_keys: int, sinks: int = 0, window: int | None = None
+                ) -> torch.Tensor:
+    """[B, 1, T, L] bool: key j is visible to the query at position p iff j <= p (and, with a
+    ``window``, j < ``sinks`` or j > p - ``window``: sinks + sliding window by masking)."""
+    keys = torch.arange(n_keys, device=q_positions.device)[None, None, :]
+    visible = keys <= q_positions[:, :, None]
+    if window is not None:
+        visible &= (keys < sinks) | (keys > q_positions[:, :, None] - window)
+    return visible[:, None]
 
 
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                     block_tables: torch.Tensor, q_positions: torch.Tensor, *,
                     key_rope: Rotary | None = None, scale: float | None = None,
-                    contiguous_from: int | None = None) -> torch.Tensor:
-    """Causal grouped-query attention over paged K/V.
+                    contiguous_from: int | None = None, sinks: int = 0, window: int | None = None
+                    ) -> torch.Tensor:
+    """Causal grouped-query attention over paged K/V (``sinks``/``window``: see ``causal_mask``).
 
     q: [B, T, n_heads, D], already rotated at ``q_positions`` ([B, T]); the new tokens' K/V
     are already written into the blocks. Returns [B, T, n_heads, D]."""
@@ -56,7 +62,7 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     if key_rope is not None:
         pos = torch.arange(L, device=q.device).expand(B, L)
         k = key_rope.rotate(k, pos)
-    mask = causal_mask(q_positions, L)
+    mask = causal_mask(q_positions, L, sinks, window)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
         enable_gqa=H != k.shape[2])

@@ -47,8 +47,10 @@ class Rows:
 
 class LayerStore:
     def __init__(self, policy: KVPolicy, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str | torch.device, quantizes: bool, heavy_units: int):
+                 device: str | torch.device, quantizes: bool, heavy_units: int, quantize_groups=None):
         self.policy = policy
+        # (k, v [G, H, g, D], bits, g) -> stacked (keys, values); None: kvcache.quant per group
+        self.quantize_groups = quantize_groups
         self.quantizes = quantizes
         self.heavy_units = heavy_units
         H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
@@ -156,8 +158,11 @@ class LayerStore:
         H, D = self.full_k.buf.shape[1:]
         k = self.full_k.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
         v = self.full_v.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
-        qk = quant.quantize_keys(k, p.bits)  # all the aged groups at once
-        qv = quant.quantize_values(v, p.bits, g)
+        if self.quantize_groups is not None:  # one batched call (a fused kernel on CUDA)
+            qk, qv = self.quantize_groups(k, v, p.bits, g)
+        else:  # all the aged groups at once
+            qk = quant.quantize_keys(k, p.bits)
+            qv = quant.quantize_values(v, p.bits, g)
         self.qk_codes.append(qk.codes); self.qk_scale.append(qk.scale); self.qk_min.append(qk.min)
         self.qv_codes.append(qv.codes); self.qv_scale.append(qv.scale); self.qv_min.append(qv.min)
         self.q_idx.append(self.full_idx.view[take].reshape(n_groups, g))

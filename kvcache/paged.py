@@ -61,9 +61,10 @@ class StepLayout:
 
 
 class PagedKVCache:
-    def __init__(self, shape: CacheShape, rope: Rotary):
+    def __init__(self, shape: CacheShape, rope: Rotary, *, attention=paged_attention):
         self.shape = shape
         self.rope = rope
+        self.attention = attention  # same signature as paged_attention (a fused kernel may replace it)
         self.pool = BlockPool(shape.n_blocks, shape.block_size)
         dims = (shape.n_layers, shape.n_blocks, shape.block_size, shape.n_kv_heads, shape.head_dim)
         self.k = torch.zeros(dims, dtype=shape.dtype, device=shape.device)
@@ -173,9 +174,9 @@ class PagedKVCache:
         flat = (-1, self.shape.n_kv_heads, self.shape.head_dim)
         kl.view(flat).index_copy_(0, step.slots, k.reshape(flat).to(kl.dtype))
         vl.view(flat).index_copy_(0, step.slots, v.reshape(flat).to(vl.dtype))
-        if step.runs is not None and len(step.seq_ids) > 1 and T == 1:
-            return run_attention(q, kl, vl, step.runs)
-        return paged_attention(q, kl, vl, step.block_tables, step.q_positions,
+        if step.runs is not None and len(step.seq_ids) > 1 and T == 1 and self.attention is paged_attention:
+            return run_attention(q, kl, vl, step.runs)  # the reference's fast path for batched decode
+        return self.attention(q, kl, vl, step.block_tables, step.q_positions,
                                contiguous_from=step.contiguous_from)
 
     def end_step(self) -> None:

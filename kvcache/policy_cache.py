@@ -55,12 +55,14 @@ def check_policy_fits_shape(policy: KVPolicy, head_dim: int) -> None:
 
 
 class PolicyKVCache:
-    def __init__(self, shape: PolicyCacheShape, policy: KVPolicy, rope, *, attention=attend_reference):
+    def __init__(self, shape: PolicyCacheShape, policy: KVPolicy, rope, *, attention=attend_reference,
+                 quantize_groups=None):
         check_policy_fits_shape(policy, shape.head_dim)
         self.shape = shape
         self.policy = policy
         self.rope = rope
         self.attention = attention  # same signature as attend_reference (a fused kernel may replace it)
+        self.quantize_groups = quantize_groups  # batched group quantizer (kernels_cuda.dispatch); None: per group
         self.quantizes = eviction.quantizes(policy)
         self.heavy_units = eviction.heavy_units(policy)
         self.track_mass = bool(self.heavy_units) and policy.window is not None
@@ -75,7 +77,7 @@ class PolicyKVCache:
     def _new_layers(self) -> list[LayerStore]:
         s = self.shape
         return [LayerStore(self.policy, s.n_kv_heads, s.head_dim, s.dtype, s.device, self.quantizes,
-                           self.heavy_units) for _ in range(s.n_layers)]
+                           self.heavy_units, self.quantize_groups) for _ in range(s.n_layers)]
 
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self._seqs:

@@ -23,8 +23,9 @@ from localctx.backends.torch.linear import WEIGHT_FORMATS
 from localctx.backends.torch.model import LlamaModel
 from localctx.backends.torch.session import TorchSession
 from localctx.backends.torch.tokenizer import TextTokenizer, from_gguf, from_hf_folder
+from localctx.kernels_cuda import dispatch
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.factory import CacheRequest, make_kv_cache
+from localctx.kvcache.factory import CacheKernels, CacheRequest, make_kv_cache
 from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.spec import ModelSpec
@@ -106,7 +107,11 @@ def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> Tor
         tokens = max(tokens, policy.capacity() + policy.group_size + options.prefill_chunk)
     req = CacheRequest(c.n_layers, c.n_kv_heads, c.head_dim, capacity_tokens=tokens, dtype=options.dtype,
                        device=options.device, block_size=options.block_size)
-    cache = make_kv_cache(policy, req, loaded.model.make_rope())  # paged full precision, or the policy cache
+    kernels = CacheKernels(paged_attention=dispatch.paged_attention(options.device),
+                           policy_attention=dispatch.policy_attention(options.device),
+                           quantize_groups=dispatch.quantize_groups(options.device)
+                           if dispatch.uses_kernels(options.device) else None)
+    cache = make_kv_cache(policy, req, loaded.model.make_rope(), kernels)  # paged full precision, or the policy cache
     engine = Engine(loaded.model, cache, EngineOptions(prefill_chunk=options.prefill_chunk))
     elem_bytes = torch.empty((), dtype=options.dtype).element_size()
     spec = dataclasses.replace(loaded.spec, kv_elem_bytes=elem_bytes, weight_bytes=loaded.model.weight_bytes())
