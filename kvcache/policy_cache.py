@@ -79,10 +79,14 @@ class PolicyKVCache:
         return [LayerStore(self.policy, s.n_kv_heads, s.head_dim, s.dtype, s.device, self.quantizes,
                            self.heavy_units, self.quantize_groups) for _ in range(s.n_layers)]
 
-    def add_sequence(self, seq_id: int) -> None:
+    def add_sequence(self, seq_id: int, reserve_tokens: int = 0) -> None:
+        """``reserve_tokens``: set aside blocks for that many tokens now (capped at what the policy
+        ever holds), as the paged cache does for a batch."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already in the cache")
-        self.pool.admit(seq_id)
+        cap = self.policy.capacity()
+        held_max = reserve_tokens if cap is None else min(reserve_tokens, cap + self.policy.group_size)
+        self.pool.admit(seq_id, held_max)
         self._seqs[seq_id] = _Sequence(self._new_layers())
 
     def can_admit(self, n_tokens: int) -> bool:
