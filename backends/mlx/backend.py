@@ -79,11 +79,20 @@ class MLXSession(Session):
         return np.concatenate(outs) if all_logits else outs[-1]
 
     def _plan_feed(self, tokens: list[int]) -> tuple[list[int], int]:
-        """(tokens still to run, tokens reused from the cache). The cache only grows, so reuse
-        needs the cached stream to be a prefix of the new prompt."""
+        """(tokens still to run, tokens reused from the cache). The cache grows by appending; it
+        rolls back to a shared prefix only where that is exact (cache.truncate), else restarts."""
         n = len(self.fed)
         if n and tokens[:n] == self.fed and (len(tokens) > n or self.last_logits is not None):
             return tokens[n:], n
+        common = 0
+        for a, b in zip(self.fed, tokens):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # at least one token runs, for the next logits
+        if common > 0 and self.cache.truncate(common):
+            self.fed = self.fed[:common]
+            return tokens[common:], common
         self.reset()
         return tokens, 0
 

@@ -112,6 +112,27 @@ class LayerCache:
             self._quantize_aged()
         return out
 
+    # -- rolling back to a prefix (a chat turn that rewrites the last answer) ------------
+    def can_truncate(self, n: int) -> bool:
+        """True when dropping every token from stream index ``n`` on leaves exactly the state a
+        fresh stream of ``n`` tokens would have: nothing evicted yet, no heavy-hitter history, and
+        the quantized groups are those ``n`` tokens would have formed."""
+        if n > self.n_seen or self.n_kept != self.n_seen or self.policy.heavy:
+            return False
+        if not self.policy.quantized:
+            return True
+        g = self.fmt.group_size
+        return len(self.q_ids) == max(0, n - self.policy.residual) // g * g and len(self.q_ids) <= n
+
+    def truncate(self, n: int) -> None:
+        if not self.can_truncate(n):
+            raise ValueError(f"cannot roll this cache back to {n} tokens")
+        keep = np.flatnonzero(self.f_ids < n)
+        idx = mx.array(keep.astype(np.int32))
+        self.k_full, self.v_full = self.k_full[:, idx], self.v_full[:, idx]
+        self.f_ids, self.f_scores = self.f_ids[keep], self.f_scores[keep]
+        self.n_seen = n
+
     # -- eviction ---------------------------------------------------------------------
     def _evict(self) -> None:
         ids = np.concatenate([self.q_ids, self.f_ids])
@@ -193,6 +214,14 @@ class ModelCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def truncate(self, n: int) -> bool:
+        """Roll every layer back to the first ``n`` tokens when that is exact; False otherwise."""
+        if not all(layer.can_truncate(n) for layer in self.layers):
+            return False
+        for layer in self.layers:
+            layer.truncate(n)
+        return True
 
     def arrays(self) -> list[mx.array]:
         """Every array the caches hold (to evaluate them with the step's logits)."""
