@@ -84,10 +84,6 @@ def decode_attention_reference(q: mx.array, kv: QuantizedKV, inv_freq: mx.array,
 
 
 SIMDGROUPS = 8
-_HEADER = """
-#include <metal_stdlib>
-using namespace metal;
-"""
 # Lane l of each simdgroup holds dims [l*E, l*E+E), E = D/32; simdgroups split the keys and
 # merge their online-softmax states through threadgroup memory at the end.
 _SOURCE = """
@@ -193,10 +189,11 @@ _SOURCE = """
     }
 """
 
-_KERNEL = metal.build(
+DECODE_KERNEL = metal.KernelSource(
     "localctx_decode_attention_q",
-    ["q", "kc", "ks", "km", "vc", "vs", "vm", "kf", "vf", "positions", "inv_freq", "iparams", "fparams"],
-    ["out", "scores", "lse"], _SOURCE, _HEADER)
+    ("q", "kc", "ks", "km", "vc", "vs", "vm", "kf", "vf", "positions", "inv_freq", "iparams", "fparams"),
+    ("out", "scores", "lse"), _SOURCE)
+_KERNEL = metal.build(DECODE_KERNEL)
 
 
 def _nonempty(a: mx.array, shape: tuple, dtype) -> mx.array:
@@ -204,29 +201,35 @@ def _nonempty(a: mx.array, shape: tuple, dtype) -> mx.array:
     return a if a.size else mx.zeros(shape, dtype=dtype)
 
 
-def decode_attention_metal(q: mx.array, kv: QuantizedKV, inv_freq: mx.array,
-                           p: DecodeParams) -> tuple[mx.array, mx.array, mx.array]:
-    if _KERNEL is None:
-        raise RuntimeError("the Metal decode-attention kernel needs Apple Metal; use the reference")
+def decode_launch(q: mx.array, kv: QuantizedKV, inv_freq: mx.array, p: DecodeParams) -> metal.Launch:
+    """The decode kernel's inputs, template values and grid: one threadgroup of SIMDGROUPS
+    simdgroups per query head."""
     n_q_heads, d = q.shape
     n_kv = kv.k_full.shape[0]
     n_total = kv.n_quantized + kv.n_full
     iparams = mx.array([kv.n_quantized, kv.n_full, p.q_position, p.sinks, p.window, n_q_heads // n_kv],
                        dtype=mx.int32)
-    fparams = mx.array([p.scale], dtype=mx.float32)
     inputs = [q.astype(mx.float32),
               _nonempty(kv.k_codes, (1,), mx.uint32), _nonempty(kv.k_scales, (1,), mx.float16),
               _nonempty(kv.k_mins, (1,), mx.float16), _nonempty(kv.v_codes, (1,), mx.uint32),
               _nonempty(kv.v_scales, (1,), mx.float16), _nonempty(kv.v_mins, (1,), mx.float16),
               _nonempty(kv.k_full, (1,), kv.k_full.dtype), _nonempty(kv.v_full, (1,), kv.v_full.dtype),
-              kv.positions.astype(mx.int32), inv_freq.astype(mx.float32), iparams, fparams]
-    out, scores, lse = _KERNEL(
+              kv.positions.astype(mx.int32), inv_freq.astype(mx.float32), iparams,
+              mx.array([p.scale], dtype=mx.float32)]
+    return metal.Launch(
         inputs=inputs,
         template=[("D", d), ("BITS", p.fmt.bits), ("G", p.fmt.group_size), ("TRAD", int(p.traditional)),
                   ("SG", SIMDGROUPS)],
         grid=(32, n_q_heads * SIMDGROUPS, 1), threadgroup=(32, SIMDGROUPS, 1),
         output_shapes=[(n_q_heads, d), (n_q_heads, n_total), (n_q_heads,)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
+
+
+def decode_attention_metal(q: mx.array, kv: QuantizedKV, inv_freq: mx.array,
+                           p: DecodeParams) -> tuple[mx.array, mx.array, mx.array]:
+    if _KERNEL is None:
+        raise RuntimeError("the Metal decode-attention kernel needs Apple Metal; use the reference")
+    out, scores, lse = decode_launch(q, kv, inv_freq, p).run(_KERNEL)
     return out, scores, lse
 
 

@@ -62,10 +62,6 @@ def quantize_append_reference(store: QuantStore, k_new: mx.array, v_new: mx.arra
     return _append(store, quantize_keys(k_new, fmt) + quantize_values(v_new, fmt))
 
 
-_HEADER = """
-#include <metal_stdlib>
-using namespace metal;
-"""
 # one thread per (packed word, group of G tokens, head): per-channel scale/min over G tokens
 _KEYS_SOURCE = """
     constexpr int PER_WORD = 32 / BITS;
@@ -129,26 +125,32 @@ _VALUES_SOURCE = """
     }
 """
 
-_KEYS_KERNEL = metal.build("localctx_quantize_keys", ["k"], ["codes", "scales", "mins"], _KEYS_SOURCE, _HEADER)
-_VALUES_KERNEL = metal.build("localctx_quantize_values", ["v"], ["codes", "scales", "mins"], _VALUES_SOURCE,
-                             _HEADER)
+KEYS_KERNEL = metal.KernelSource("localctx_quantize_keys", ("k",), ("codes", "scales", "mins"), _KEYS_SOURCE)
+VALUES_KERNEL = metal.KernelSource("localctx_quantize_values", ("v",), ("codes", "scales", "mins"), _VALUES_SOURCE)
+_KEYS_KERNEL = metal.build(KEYS_KERNEL)
+_VALUES_KERNEL = metal.build(VALUES_KERNEL)
 KERNEL_AVAILABLE = _KEYS_KERNEL is not None and _VALUES_KERNEL is not None
+
+
+def quantize_launches(k_new: mx.array, v_new: mx.array, fmt: QuantFormat) -> tuple[metal.Launch, metal.Launch]:
+    """Launches of the key kernel (a thread per packed word per group of tokens per head) and
+    the value kernel (a thread per channel group per token per head)."""
+    _check(k_new, fmt)
+    h, t, d = k_new.shape
+    g, w = fmt.group_size, fmt.packed_dim(d)
+    template = [("D", d), ("BITS", fmt.bits), ("G", g)]
+    keys = metal.Launch([k_new], template, (w, t // g, h), (min(w, 32), 1, 1),
+                        [(h, t, w), (h, t // g, d), (h, t // g, d)], [mx.uint32, mx.float16, mx.float16])
+    values = metal.Launch([v_new], template, (d // g, t, h), (d // g, 1, 1),
+                          [(h, t, w), (h, t, d // g), (h, t, d // g)], [mx.uint32, mx.float16, mx.float16])
+    return keys, values
 
 
 def quantize_append_metal(store: QuantStore, k_new: mx.array, v_new: mx.array, fmt: QuantFormat) -> QuantStore:
     if not KERNEL_AVAILABLE:
         raise RuntimeError("the Metal quantise-and-append kernels need Apple Metal; use the reference")
-    _check(k_new, fmt)
-    h, t, d = k_new.shape
-    g, w = fmt.group_size, fmt.packed_dim(d)
-    template = [("D", d), ("BITS", fmt.bits), ("G", g)]
-    kq = _KEYS_KERNEL(inputs=[k_new], template=template, grid=(w, t // g, h), threadgroup=(min(w, 32), 1, 1),
-                      output_shapes=[(h, t, w), (h, t // g, d), (h, t // g, d)],
-                      output_dtypes=[mx.uint32, mx.float16, mx.float16])
-    vq = _VALUES_KERNEL(inputs=[v_new], template=template, grid=(d // g, t, h), threadgroup=(d // g, 1, 1),
-                        output_shapes=[(h, t, w), (h, t, d // g), (h, t, d // g)],
-                        output_dtypes=[mx.uint32, mx.float16, mx.float16])
-    return _append(store, tuple(kq) + tuple(vq))
+    keys, values = quantize_launches(k_new, v_new, fmt)
+    return _append(store, tuple(keys.run(_KEYS_KERNEL)) + tuple(values.run(_VALUES_KERNEL)))
 
 
 def quantize_append(store: QuantStore, k_new: mx.array, v_new: mx.array, fmt: QuantFormat) -> QuantStore:
