@@ -50,20 +50,18 @@ def unpack(words: mx.array, bits: int) -> mx.array:
     return c.reshape(*words.shape[:-1], words.shape[-1] * per_word)
 
 
-def _affine(x: mx.array, axis: int, fmt: QuantFormat, lo: mx.array | None = None,
-            hi: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+def _affine(x: mx.array, axis: int, fmt: QuantFormat) -> tuple[mx.array, mx.array, mx.array]:
     """Codes, scale, min of groups that span ``axis`` (already reshaped so a group is that axis).
-    ``lo``/``hi`` widen the range (a group that takes in a new member keeps its old range)."""
+    The min is rounded to fp16 first and the scale measured from it; codes are computed against
+    the fp16 scale and min, so dequantising reproduces what the codes were fitted to (the same
+    arithmetic as kvcache/quant.py)."""
     x = x.astype(mx.float32)
-    x_lo = mx.min(x, axis=axis, keepdims=True)
-    x_hi = mx.max(x, axis=axis, keepdims=True)
-    lo = x_lo if lo is None else mx.minimum(lo, x_lo)
-    hi = x_hi if hi is None else mx.maximum(hi, x_hi)
-    scale = ((hi - lo) / fmt.levels).astype(SCALE_DTYPE)
-    lo16 = lo.astype(SCALE_DTYPE)
+    lo16 = mx.min(x, axis=axis, keepdims=True).astype(SCALE_DTYPE)
+    hi = mx.max(x, axis=axis, keepdims=True)
+    scale = ((hi - lo16.astype(mx.float32)) / fmt.levels).astype(SCALE_DTYPE)
     s32 = scale.astype(mx.float32)
-    inv = mx.where(s32 > 0, 1.0 / mx.where(s32 > 0, s32, 1.0), 0.0)
-    codes = mx.clip(mx.round((x - lo16.astype(mx.float32)) * inv), 0, fmt.levels)
+    safe = mx.where(s32 > 0, s32, 1.0)
+    codes = mx.clip(mx.round((x - lo16.astype(mx.float32)) / safe), 0, fmt.levels)
     return codes, scale, lo16
 
 
@@ -106,16 +104,3 @@ def dequantize_values(codes: mx.array, scales: mx.array, mins: mx.array, fmt: Qu
     x = c * scales[..., None].astype(mx.float32) + mins[..., None].astype(mx.float32)
     return x.reshape(*lead, t, d)
 
-
-def requantize_key_groups(dense: mx.array, old_scales: mx.array, old_mins: mx.array,
-                          fmt: QuantFormat) -> tuple[mx.array, mx.array, mx.array]:
-    """Re-encode whole key groups (..., n*g, D) after some members were replaced, keeping each
-    channel's old range unless a new member falls outside it: members that stayed keep their
-    codes exactly when the range holds. Returns (codes, scales, mins) as ``quantize_keys``."""
-    *lead, t, d = dense.shape
-    g = fmt.group_size
-    grouped = dense.reshape(*lead, t // g, g, d)
-    lo = old_mins[..., None, :].astype(mx.float32)
-    hi = lo + fmt.levels * old_scales[..., None, :].astype(mx.float32)
-    codes, scale, lo16 = _affine(grouped, -2, fmt, lo, hi)
-    return pack(codes.reshape(*lead, t, d), fmt.bits), scale.squeeze(-2), lo16.squeeze(-2)

@@ -72,7 +72,7 @@ _KEYS_SOURCE = """
     const int n_groups = threads_per_grid.y;
     const int n_words = D / PER_WORD;
     const int T = n_groups * G;
-    float lo16[PER_WORD], inv[PER_WORD];
+    float lo16[PER_WORD], step[PER_WORD];
     for (int c = 0; c < PER_WORD; ++c) {
         const int d = w * PER_WORD + c;
         float lo = INFINITY, hi = -INFINITY;
@@ -80,18 +80,18 @@ _KEYS_SOURCE = """
             const float x = float(k[(h * T + grp * G + t) * D + d]);
             lo = min(lo, x); hi = max(hi, x);
         }
-        const half s = half((hi - lo) / LEVELS);
         const half l16 = half(lo);
+        const half s = half((hi - float(l16)) / LEVELS);
         scales[(h * n_groups + grp) * D + d] = s;
         mins[(h * n_groups + grp) * D + d] = l16;
         lo16[c] = float(l16);
-        inv[c] = float(s) > 0.0f ? 1.0f / float(s) : 0.0f;
+        step[c] = float(s) > 0.0f ? float(s) : 1.0f;
     }
     for (int t = 0; t < G; ++t) {
         uint word = 0;
         for (int c = 0; c < PER_WORD; ++c) {
             const float x = float(k[(h * T + grp * G + t) * D + w * PER_WORD + c]);
-            const float code = clamp(metal::rint((x - lo16[c]) * inv[c]), 0.0f, LEVELS);
+            const float code = clamp(metal::rint((x - lo16[c]) / step[c]), 0.0f, LEVELS);
             word |= uint(code) << uint(c * BITS);
         }
         codes[(h * T + grp * G + t) * n_words + w] = word;
@@ -109,16 +109,16 @@ _VALUES_SOURCE = """
     const int base = (h * T + t) * D + cg * G;
     float lo = INFINITY, hi = -INFINITY;
     for (int c = 0; c < G; ++c) { const float x = float(v[base + c]); lo = min(lo, x); hi = max(hi, x); }
-    const half s = half((hi - lo) / LEVELS);
     const half l16 = half(lo);
+    const half s = half((hi - float(l16)) / LEVELS);
     scales[(h * T + t) * (D / G) + cg] = s;
     mins[(h * T + t) * (D / G) + cg] = l16;
-    const float inv = float(s) > 0.0f ? 1.0f / float(s) : 0.0f;
+    const float step = float(s) > 0.0f ? float(s) : 1.0f;
     for (int wi = 0; wi < G / PER_WORD; ++wi) {
         uint word = 0;
         for (int c = 0; c < PER_WORD; ++c) {
             const float x = float(v[base + wi * PER_WORD + c]);
-            const float code = clamp(metal::rint((x - float(l16)) * inv), 0.0f, LEVELS);
+            const float code = clamp(metal::rint((x - float(l16)) / step), 0.0f, LEVELS);
             word |= uint(code) << uint(c * BITS);
         }
         codes[(h * T + t) * n_words + cg * (G / PER_WORD) + wi] = word;

@@ -167,3 +167,21 @@ def test_constant_group_dequantises_exactly():
     np.testing.assert_array_equal(np.array(dequantize_keys(store.k_codes, store.k_scales, store.k_mins, fmt)), 0.75)
     np.testing.assert_array_equal(np.array(dequantize_values(store.v_codes, store.v_scales, store.v_mins, fmt)),
                                   0.75)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64)])
+def test_quantization_is_bit_identical_to_kvcache_quant(bits, group):
+    """The MLX format is kvcache/quant.py's (the torch backend's): same codes, scales and mins,
+    and the same bytes (uint32 words little-endian = its uint8 nibble packing)."""
+    torch = pytest.importorskip("torch", reason="kvcache/quant.py is written in torch")
+    from localctx.kvcache import quant as tq
+    from localctx.kernels_metal.quant import quantize_keys, quantize_values
+    rng = np.random.default_rng(bits)
+    x = rng.standard_normal((2, group, 64)).astype(np.float16)
+    fmt = QuantFormat(bits, group)
+    for ours, theirs in ((quantize_keys(mx.array(x), fmt), tq.quantize_keys(torch.from_numpy(x), bits)),
+                         (quantize_values(mx.array(x), fmt), tq.quantize_values(torch.from_numpy(x), bits, group))):
+        codes, scales, mins = ours
+        np.testing.assert_array_equal(np.array(codes).view(np.uint8), theirs.codes.numpy())
+        np.testing.assert_array_equal(np.array(scales).reshape(theirs.scale.shape), theirs.scale.numpy())
+        np.testing.assert_array_equal(np.array(mins).reshape(theirs.min.shape), theirs.min.numpy())

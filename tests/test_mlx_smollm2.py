@@ -72,9 +72,10 @@ def test_quantized_weights_give_the_dequantized_logits(smol, text_tokens):
 
 
 SHORT = [30, 1, 1, 20, 1, 1]  # prefill chunks and decode steps: 54 tokens
-EXACT = ["fp16", "int8", "int4+res16", "fp16+sink4+win16", "fp16+sink4+win16+heavy8"]
-COMBOS = ["int8+sink4+win36", "int4+res8+sink4+win32+heavy4"]
-CASES = [(t, SHORT) for t in EXACT + COMBOS] + [("int4+res128", [150, 1, 20, 1])]
+LONG = [70, 1, 1, 46, 1, 1]  # 120 tokens: quantized groups form, leave the window, compete as heavy hitters
+CASES = [("fp16", SHORT), ("int8", SHORT), ("int4+res16", SHORT), ("fp16+sink4+win16", SHORT),
+         ("fp16+sink4+win16+heavy8", SHORT), ("int8+sink4+win32", LONG), ("int4+res8+sink4+win40+heavy32", LONG),
+         ("int4+res128", [150, 1, 20, 1])]
 _FP_LOGITS = {}
 
 
@@ -95,13 +96,17 @@ def test_policy_logits_match_reference_cache(smol, text_tokens, text, chunks):
     cache = _cache(loaded, policy)
     got = _run(loaded, cache, tokens, chunks)
     want = _run(loaded, _cache(loaded, policy, ReferenceModelCache), tokens, chunks)
-    err = np.abs(got - want).max()
-    if policy.quantized and policy.evicts:  # the fast cache regroups quantized tokens: within noise
-        assert np.abs(got - want).mean() < (0.05 if policy.bits == 8 else 0.3)
+    diff = np.abs(got - want)
+    if policy.quantized:  # summation-order noise can flip a code at a rounding edge: rare, bounded spikes
+        assert diff.mean() < 2e-3 and diff.max() < 0.1
     else:  # same semantics, float32 on both sides: only summation order differs
-        assert err < 1.5e-2
+        assert diff.max() < 1.5e-2
     assert (got[-8:].argmax(-1) == want[-8:].argmax(-1)).mean() >= 0.75
     assert cache.nbytes() == cost.kv_bytes(gguf_spec(path), policy, len(tokens))
+    if policy.evicts:
+        assert cache.n_kept < len(tokens)
+    if policy.quantized:
+        assert all(len(layer.q_ids) for layer in cache.layers)
     if not policy.exact:  # the policy really changed what attention saw, by more than the noise
-        effect = np.abs(got - _fp_logits(loaded, tokens, chunks)).max()
-        assert effect > 3 * min(err, 1.5e-2)
+        effect = np.abs(got - _fp_logits(loaded, tokens, chunks)).mean()
+        assert effect > 3 * max(diff.mean(), 1e-4)
