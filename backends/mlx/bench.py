@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
            "model": spec.name, "prompt_tokens": len(tokens), "decode_tokens": args.decode, "reps": args.reps,
            "results": {}}
     for name, rs in runs.items():
-        med = {k: round(statistics.median(r[k] for r in rs), 2) for k in ("prefill_tok_s", "decode_tok_s")}
-        med.update({f"{k}_vs_llama_cpp": round(med[k] / base[k], 3) for k in ("prefill_tok_s", "decode_tok_s")})
+        raw = {k: statistics.median(r[k] for r in rs) for k in ("prefill_tok_s", "decode_tok_s")}
+        med = {k: round(v, 2) for k, v in raw.items()}
+        med.update({f"{k}_vs_llama_cpp": round(raw[k] / base[k], 3) for k in raw})
         if name != "llama.cpp":
             med["kv_bytes"] = rs[-1]["kv_bytes"]
         out["results"][name] = med
