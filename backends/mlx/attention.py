@@ -1,0 +1,29 @@
+"""Attention over one layer's cache for a chunk of queries (prefill), in pure MLX.
+
+Decode (one query) goes through kernels_metal.decode_attention instead; both see every key at
+its in-cache position, rotated there (keys are cached before RoPE)."""
+from __future__ import annotations
+
+import mlx.core as mx
+
+from localctx.kernels_metal.decode_attention import QuantizedKV, dense_keys_values
+from localctx.kernels_metal.quant import QuantFormat
+from localctx.kernels_metal.rope import rope_at
+
+
+def chunk_attention(q: mx.array, kv: QuantizedKV, q_positions: mx.array, inv_freq: mx.array,
+                    fmt: QuantFormat, scale: float, traditional: bool) -> tuple[mx.array, mx.array]:
+    """q (Hq, L, D) already rotated at ``q_positions``. A key is visible to a query when its
+    in-cache position is not later than the query's. Returns (out (Hq, L, D) float32,
+    attention weight each slot received, summed over heads and queries (N,) float32)."""
+    n_q_heads, length, d = q.shape
+    n_kv = kv.k_full.shape[0]
+    keys, values = dense_keys_values(kv, fmt)
+    keys = rope_at(keys, kv.positions, inv_freq, traditional)
+    qg = q.astype(mx.float32).reshape(n_kv, n_q_heads // n_kv, length, d)
+    scores = (qg @ keys[:, None].swapaxes(-1, -2)) * scale  # (Hkv, rep, L, N)
+    visible = kv.positions[None, :] <= q_positions[:, None]  # (L, N)
+    scores = mx.where(visible, scores, -mx.inf)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = weights @ values[:, None]
+    return out.reshape(n_q_heads, length, d), mx.sum(weights, axis=(0, 1, 2))

@@ -1,0 +1,233 @@
+"""localctx's KV policies as MLX caches: one ``LayerCache`` per layer, every combination of
+precision (fp16 / int8 / int4 + residual), sinks + window and heavy hitters, with the rules of
+kvcache/eviction.py (the torch backend's policy cache follows the same ones):
+
+sinks stay full precision; the main stream is quantized an aligned group of ``group_size``
+tokens at a time once the group is older than the residual (only when a group can age out of
+the residual inside the window); a unit — a full-precision token or a whole quantized group —
+leaves when its newest token falls out of the window, and the units that left compete for the
+heavy-hitter budget by accumulated attention mass.
+
+A layer holds a full-precision store and a group-quantized store, both with keys *before*
+RoPE and both in stream order. Attention rotates each key at its position in the cache (its
+rank among the kept tokens) and each query at its own, so sinks stream past the trained
+context (StreamingLLM). The bytes held equal ``kvcache.cost.kv_bytes``.
+"""
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from localctx.backends.mlx.attention import chunk_attention
+from localctx.kernels_metal.decode_attention import DecodeParams, QuantizedKV, decode_attention
+from localctx.kernels_metal.quant import QuantFormat
+from localctx.kernels_metal.quant_append import QuantStore, quantize_append
+from localctx.kernels_metal.rope import rope_at
+from localctx.kvcache import eviction
+from localctx.kvcache.policy import KVPolicy
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    n_kv_heads: int
+    head_dim: int
+    full_dtype: mx.Dtype  # float16, or float32 for fp32 models (kvcache spec's kv_elem_bytes)
+    traditional_rope: bool
+
+
+class LayerCache:
+    def __init__(self, policy: KVPolicy, shape: CacheShape, inv_freq: mx.array):
+        self.policy = policy
+        self.shape = shape
+        self.inv_freq = inv_freq
+        self.fmt = QuantFormat(policy.bits if policy.quantized else 8, policy.group_size)
+        self.quantizes = eviction.quantizes(policy)
+        self.heavy_units = eviction.heavy_units(policy)
+        self.track_mass = bool(self.heavy_units) and policy.window is not None
+        self.reset()
+
+    def reset(self) -> None:
+        s = self.shape
+        self.store = QuantStore.empty(s.n_kv_heads, s.head_dim, self.fmt)
+        self.q_ids = np.zeros(0, dtype=np.int64)
+        self.q_mass = np.zeros(0, dtype=np.float32)
+        self.k_full = mx.zeros((s.n_kv_heads, 0, s.head_dim), s.full_dtype)
+        self.v_full = mx.zeros((s.n_kv_heads, 0, s.head_dim), s.full_dtype)
+        self.f_ids = np.zeros(0, dtype=np.int64)
+        self.f_mass = np.zeros(0, dtype=np.float32)
+        self.n_seen = 0
+
+    # -- what it holds ------------------------------------------------------------
+    @property
+    def n_kept(self) -> int:
+        return len(self.q_ids) + len(self.f_ids)
+
+    def nbytes(self) -> int:
+        full = self.k_full.nbytes + self.v_full.nbytes
+        return full + (self.store.nbytes() if self.store.n_tokens else 0)
+
+    def kept_ids(self) -> np.ndarray:
+        return np.sort(np.concatenate([self.q_ids, self.f_ids]))
+
+    def _positions(self) -> mx.array:
+        ids = np.concatenate([self.q_ids, self.f_ids])
+        ranks = np.empty(len(ids), dtype=np.int32)
+        ranks[np.argsort(ids, kind="stable")] = np.arange(len(ids), dtype=np.int32)
+        return mx.array(ranks)
+
+    def _view(self) -> QuantizedKV:
+        st = self.store
+        return QuantizedKV(st.k_codes, st.k_scales, st.k_mins, st.v_codes, st.v_scales, st.v_mins,
+                           self.k_full, self.v_full, self._positions())
+
+    # -- the one call attention makes -----------------------------------------------
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """q (Hq, L, D), k/v (Hkv, L, D), all before RoPE. Appends the L tokens, attends (query
+        i sees the cache and the chunk's tokens up to i), then quantizes aged groups and evicts.
+        Returns (Hq, L, D) float32."""
+        length = q.shape[1]
+        first = self.n_kept
+        q_pos = mx.arange(first, first + length, dtype=mx.int32)
+        q_rot = rope_at(q, q_pos, self.inv_freq, self.shape.traditional_rope)
+        self.k_full = mx.concatenate([self.k_full, k.astype(self.shape.full_dtype)], axis=1)
+        self.v_full = mx.concatenate([self.v_full, v.astype(self.shape.full_dtype)], axis=1)
+        self.f_ids = np.concatenate([self.f_ids, np.arange(self.n_seen, self.n_seen + length)])
+        self.f_mass = np.concatenate([self.f_mass, np.zeros(length, dtype=np.float32)])
+        self.n_seen += length
+        kv = self._view()
+        if length == 1:
+            params = DecodeParams(self.fmt, first, scale, self.shape.traditional_rope)
+            out, scores, lse = decode_attention(q_rot[:, 0], kv, self.inv_freq, params)
+            out = out[:, None]
+            received = mx.sum(mx.exp(scores - lse[:, None]), axis=0) if self.track_mass else None
+        else:
+            out, received = chunk_attention(q_rot, kv, q_pos, self.inv_freq, self.fmt, scale,
+                                             self.shape.traditional_rope)
+        if self.track_mass:
+            got = np.array(received.astype(mx.float32))
+            nq = len(self.q_ids)
+            self.q_mass = self.q_mass + got[:nq]
+            self.f_mass = self.f_mass + got[nq:]
+        if self.quantizes:
+            self._quantize_aged()
+        if self.policy.evicts:
+            self._evict()
+        return out
+
+    # -- rolling back to a prefix (a chat turn that rewrites the last answer) ------------
+    def can_truncate(self, n: int) -> bool:
+        """True when keeping only the first ``n`` streamed tokens is exact: nothing evicted yet
+        and the quantized groups are those a stream of ``n`` tokens forms (kvcache's rule)."""
+        if n in (0, self.n_seen):
+            return True
+        if not 0 < n < self.n_seen or self.n_kept != self.n_seen:
+            return False
+        return eviction.held_counts(self.policy, n).quant_groups * self.fmt.group_size == len(self.q_ids)
+
+    def truncate(self, n: int) -> None:
+        if not self.can_truncate(n):
+            raise ValueError(f"cannot roll this cache back to {n} tokens")
+        if n == 0:
+            self.reset()
+            return
+        self._keep_full(np.flatnonzero(self.f_ids < n))
+        self.n_seen = n
+
+    def _keep_full(self, keep: np.ndarray) -> None:
+        if len(keep) == len(self.f_ids):
+            return
+        idx = mx.array(keep.astype(np.int32))
+        self.k_full, self.v_full = self.k_full[:, idx], self.v_full[:, idx]
+        self.f_ids, self.f_mass = self.f_ids[keep], self.f_mass[keep]
+
+    # -- quantization as tokens age (rule 2) ---------------------------------------------
+    def _quantize_aged(self) -> None:
+        p, g = self.policy, self.fmt.group_size
+        main = np.flatnonzero(self.f_ids >= p.sinks)  # after the sinks, in stream order
+        if not len(main):
+            return
+        m = max(0, self.n_seen - p.sinks)
+        first = int(self.f_ids[main[0]]) - p.sinks  # aligned: the next group to form starts here
+        n = max(0, (m - p.residual - first) // g) * g
+        if not n:
+            return
+        take = main[:n]
+        idx = mx.array(take.astype(np.int32))
+        self.store = quantize_append(self.store, self.k_full[:, idx], self.v_full[:, idx], self.fmt)
+        self.q_ids = np.concatenate([self.q_ids, self.f_ids[take]])
+        self.q_mass = np.concatenate([self.q_mass, self.f_mass[take]])
+        self._keep_full(np.setdiff1d(np.arange(len(self.f_ids)), take))
+
+    # -- eviction (rules 3 and 4) -----------------------------------------------------------
+    def _evict(self) -> None:
+        p, g = self.policy, self.fmt.group_size
+        edge = max(0, self.n_seen - p.sinks) - p.window  # a unit whose newest main index < edge leaves
+        out = np.flatnonzero((self.f_ids >= p.sinks) & (self.f_ids - p.sinks < edge))
+        if len(out):
+            budget = 0 if self.quantizes else self.heavy_units
+            drop = np.setdiff1d(out, out[_heaviest(self.f_mass[out], budget)])
+            self._keep_full(np.setdiff1d(np.arange(len(self.f_ids)), drop))
+        if len(self.q_ids):
+            newest = self.q_ids.reshape(-1, g)[:, -1]
+            out = np.flatnonzero(newest - p.sinks < edge)
+            if len(out):
+                mass = self.q_mass.reshape(-1, g)[out].sum(-1)
+                drop = np.setdiff1d(out, out[_heaviest(mass, self.heavy_units)])
+                if len(drop):
+                    self._keep_groups(np.setdiff1d(np.arange(len(newest)), drop))
+
+    def _keep_groups(self, groups: np.ndarray) -> None:
+        g = self.fmt.group_size
+        slots = (groups[:, None] * g + np.arange(g)[None, :]).reshape(-1)
+        s_idx, g_idx = mx.array(slots.astype(np.int32)), mx.array(groups.astype(np.int32))
+        st = self.store
+        self.store = QuantStore(st.k_codes[:, s_idx], st.k_scales[:, g_idx], st.k_mins[:, g_idx],
+                                st.v_codes[:, s_idx], st.v_scales[:, s_idx], st.v_mins[:, s_idx])
+        self.q_ids, self.q_mass = self.q_ids[slots], self.q_mass[slots]
+
+
+def _heaviest(scores: np.ndarray, budget: int) -> np.ndarray:
+    """Indices of the ``budget`` largest scores; ties keep the newer (later) unit."""
+    if budget <= 0 or not len(scores):
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort((-np.arange(len(scores)), -scores))
+    return order[:budget]
+
+
+class ModelCache:
+    """The caches of every layer, and what the UI reads: bytes, tokens held, tokens evicted."""
+
+    def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array):
+        self.policy = policy
+        self.layers = [LayerCache(policy, shape, inv_freq) for _ in range(n_layers)]
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    @property
+    def n_seen(self) -> int:
+        return self.layers[0].n_seen
+
+    @property
+    def n_kept(self) -> int:
+        return self.layers[0].n_kept
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def truncate(self, n: int) -> bool:
+        """Roll every layer back to the first ``n`` tokens when that is exact; False otherwise."""
+        if not all(layer.can_truncate(n) for layer in self.layers):
+            return False
+        for layer in self.layers:
+            layer.truncate(n)
+        return True
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the caches hold (to evaluate them with the step's logits)."""
+        return [a for layer in self.layers for a in (layer.k_full, layer.v_full, *layer.store.arrays())]
+
+    def probe(self) -> tuple[int, int, int]:
+        """(kv bytes, tokens held, tokens evicted) for backends.streaming.KVProbe."""
+        return self.nbytes(), self.n_kept, self.n_seen - self.n_kept

@@ -1,0 +1,120 @@
+"""Tokenizers for the MLX backend: GGUF vocabularies through llama.cpp's own tokenizer (loaded
+vocabulary-only, no weights), Hugging Face folders through ``tokenizers`` (tokenizer.json)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localctx.backends.chat_template import ChatTemplate
+from localctx.kvcache.errors import UserError
+
+
+@dataclass
+class Tokenizer:
+    encode_fn: object  # str -> list[int] (special tokens parsed, BOS added where the model wants it)
+    bytes_fn: object  # int -> bytes
+    template: ChatTemplate
+    eos: set[int] = field(default_factory=set)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_fn(text)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.bytes_fn(token)
+
+
+def _meta(meta: dict, key: str, default=None):
+    value = meta.get(key, default)
+    return value.item() if hasattr(value, "item") else value
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """llama.cpp logs from C even with verbose=False; keep its lines off the user's terminal."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def gguf_tokenizer(path: Path, meta: dict) -> Tokenizer:
+    import llama_cpp
+
+    with _quiet_stderr():
+        vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    add_bos = bool(_meta(meta, "tokenizer.ggml.add_bos_token", True))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    bos_id, eos_id = _meta(meta, "tokenizer.ggml.bos_token_id"), _meta(meta, "tokenizer.ggml.eos_token_id")
+    eos = {int(eos_id)} if eos_id is not None else {vocab.token_eos()}
+    eot_id = _meta(meta, "tokenizer.ggml.eot_token_id")
+    if eot_id is not None:
+        eos.add(int(eot_id))
+    name = lambda i: tokens[int(i)] if i is not None and int(i) < len(tokens) else ""  # noqa: E731
+    template = ChatTemplate(meta.get("tokenizer.chat_template"), bos_token=name(bos_id), eos_token=name(eos_id))
+    return Tokenizer(encode_fn=lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True),
+                     bytes_fn=lambda tok: vocab.detokenize([tok]), template=template, eos=eos)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable stand-in character → the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _content(value) -> str:
+    return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+
+def folder_tokenizer(folder: Path, cfg: dict) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise UserError(f"{folder} has no tokenizer.json; add it (from the model's repository) to run it")
+    tok = HFTokenizer.from_file(str(file))
+    tcfg_file = folder / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}
+    bos, eos_text = _content(tcfg.get("bos_token")), _content(tcfg.get("eos_token"))
+    eos = set()
+    cfg_eos = cfg.get("eos_token_id")
+    for e in (cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]):
+        if e is not None:
+            eos.add(int(e))
+    if eos_text and tok.token_to_id(eos_text) is not None:
+        eos.add(tok.token_to_id(eos_text))
+    decoder_kind = json.loads(file.read_text()).get("decoder") or {}
+    byte_level = decoder_kind.get("type") == "ByteLevel"
+    table = _byte_decoder()
+
+    def token_bytes(t: int) -> bytes:
+        piece = tok.id_to_token(t) or ""
+        if byte_level:
+            return bytes(table[c] for c in piece if c in table)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    add_bos = bool(tcfg.get("add_bos_token", False))
+    bos_id = tok.token_to_id(bos) if bos else None
+
+    def encode(text: str) -> list[int]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        return ([bos_id] + ids) if add_bos and bos_id is not None and ids[:1] != [bos_id] else ids
+
+    template = ChatTemplate(tcfg.get("chat_template"), bos_token=bos, eos_token=eos_text)
+    return Tokenizer(encode_fn=encode, bytes_fn=token_bytes, template=template, eos=eos)

@@ -1,0 +1,78 @@
+"""The MLX backend against the torch backend on SmolLM2: the same model (GGUF Q4_1, dense
+float32 weights on both), the torch Llama graph with kvcache's PolicyKVCache versus the MLX
+graph with its own caches, policy by policy, chunk by chunk."""
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'mlx[cpu]' on Linux)")
+torch = pytest.importorskip("torch", reason="the torch backend is the reference here")
+
+from localctx.backends.mlx.cache import CacheShape, ModelCache  # noqa: E402
+from localctx.backends.mlx.loading import load_gguf  # noqa: E402
+from localctx.backends.mlx.tokenizer import gguf_tokenizer  # noqa: E402
+from localctx.backends.modelref import bundled_default_path, resolve  # noqa: E402
+from localctx.kvcache.policy import KVPolicy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SHORT = [30, 1, 1, 20, 1, 1]
+LONG = [70, 1, 1, 46, 1, 1]
+CASES = [("fp16", SHORT), ("int8", SHORT), ("int4+res16", SHORT), ("fp16+sink4+win16+heavy8", SHORT),
+         ("int8+sink4+win32", LONG), ("int4+res8+sink4+win40+heavy32", LONG)]
+
+
+@pytest.fixture(scope="module")
+def models():
+    from localctx.backends.torch.backend import TorchOptions, load_model
+    path = bundled_default_path()
+    mlx_loaded, meta = load_gguf(path)
+    torch_loaded = load_model(resolve(None), TorchOptions(device="cpu", dtype=torch.float32))
+    from pydoc_data.topics import topics
+    tokens = gguf_tokenizer(path, meta).encode(topics["assert"] + topics["pass"])
+    return mlx_loaded, torch_loaded, tokens
+
+
+def _mlx_logits(loaded, policy, tokens, chunks):
+    a = loaded.model.args
+    cache = ModelCache(policy, a.n_layers, CacheShape(a.n_kv_heads, a.head_dim, mx.float16, a.traditional_rope),
+                       loaded.inv_freq)
+    out, start = [], 0
+    for n in chunks:
+        logits = loaded.model(mx.array(tokens[start:start + n]), cache, last_only=False)
+        mx.eval(logits, *cache.arrays())
+        out.append(np.array(logits))
+        start += n
+    return np.concatenate(out), cache
+
+
+def _torch_logits(loaded, policy, tokens, chunks):
+    from localctx.backends.torch.engine import Engine, EngineOptions
+    from localctx.kvcache.policy_cache import PolicyCacheShape, PolicyKVCache
+    c = loaded.model.config
+    cache = PolicyKVCache(PolicyCacheShape(c.n_layers, c.n_kv_heads, c.head_dim, dtype=torch.float16),
+                          policy, loaded.model.make_rope())
+    cache.add_sequence(0)
+    engine = Engine(loaded.model, cache, EngineOptions(prefill_chunk=max(chunks)))
+    out, start = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            out.append(engine.prefill(0, tokens[start:start + n], all_logits=True).float().numpy())
+            start += n
+    return np.concatenate(out), cache
+
+
+@pytest.mark.parametrize("text,chunks", CASES, ids=[t for t, _ in CASES])
+def test_mlx_logits_match_the_torch_backend(models, text, chunks):
+    mlx_loaded, torch_loaded, tokens = models
+    policy = KVPolicy.parse(text)
+    tokens = tokens[:sum(chunks)]
+    got, mlx_cache = _mlx_logits(mlx_loaded, policy, tokens, chunks)
+    want, torch_cache = _torch_logits(torch_loaded, policy, tokens, chunks)
+    diff = np.abs(got - want)
+    assert mlx_cache.n_kept == torch_cache.kv_tokens(0)
+    assert mlx_cache.nbytes() == torch_cache.kv_bytes(0)
+    if policy.quantized:  # float noise can flip a code at a rounding edge: rare, bounded spikes
+        assert diff.mean() < 5e-3 and diff.max() < 0.15
+    else:
+        assert diff.max() < 2e-2
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
