@@ -51,7 +51,7 @@ class KVProbe:
     read: Callable[[], tuple[int, int, int]]  # (kv_bytes, kv_tokens, evicted_tokens)
 
 
-def stream(tokens: Iterator[int], *, token_bytes: Callable[[int], bytes], eos: set[int],
+def stream(tokens: Iterator[int] | Generator[int, None, str | None], *, token_bytes: Callable[[int], bytes], eos: set[int],
            params: GenerationParams, clock: StatsClock, probe: KVProbe,
            cancel: threading.Event | None = None,
            on_accept: Callable[[int], None] | None = None) -> Iterator[GenerationEvent]:
@@ -71,8 +71,8 @@ def stream(tokens: Iterator[int], *, token_bytes: Callable[[int], bytes], eos: s
                 break
             try:
                 tok = next(tokens)
-            except StopIteration:
-                finish = "stop"
+            except StopIteration as end:  # a token source may return its own finish reason
+                finish = end.value or "stop"
                 break
             now = time.perf_counter()
             if clock.generated_tokens == 0:

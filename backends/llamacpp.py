@@ -1,0 +1,208 @@
+"""The llama.cpp backend on llama-cpp-python: GGUF models on CPU (or any GPU llama.cpp supports).
+
+The plan becomes n_ctx and the KV types; generation runs llama.cpp's own decode and sampler and
+streams through the shared loop. KV bytes are read back from llama.cpp (its per-sequence state size)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
+                                    StatsClock, check_prompt_fits)
+from localctx.backends.chat_template import ChatTemplate
+from localctx.backends.model_spec import read_spec
+from localctx.backends.modelref import ModelRef
+from localctx.backends.streaming import KVProbe, stream
+from localctx.kvcache.errors import RuntimeFailure, UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+
+# llama.cpp's KV formats for our precisions (blocks of 32 with one fp16 scale each)
+_GGML_KV_TYPE = {16: "GGML_TYPE_F16", 8: "GGML_TYPE_Q8_0", 4: "GGML_TYPE_Q4_0"}
+
+
+def default_threads() -> int:
+    try:
+        import psutil
+        physical = psutil.cpu_count(logical=False)
+    except ImportError:  # pragma: no cover - psutil is a declared dependency
+        physical = None
+    return max(1, physical or os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """llama.cpp prints load logs from C on fd 2 even with verbose=False; keep the user's terminal clean."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (embedded use): nothing to silence
+        yield
+        return
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@functools.lru_cache(maxsize=None)
+def _ggml_base():
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    return lib
+
+
+def ggml_row_size(type_id: int, n_elements: int) -> int:
+    """Bytes llama.cpp stores for one row of ``n_elements`` of a ggml type (blocks and scales included)."""
+    return int(_ggml_base().ggml_row_size(type_id, n_elements))
+
+
+def kv_type_ids(policy: KVPolicy) -> tuple[int, int]:
+    import llama_cpp
+
+    tid = getattr(llama_cpp, _GGML_KV_TYPE[policy.bits])
+    return tid, tid
+
+
+class _EndOfGeneration:
+    """Set-like membership test for llama.cpp's end-of-generation tokens (EOS, EOT, ...)."""
+
+    def __init__(self, llm):
+        import llama_cpp
+
+        self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self._is_eog = llama_cpp.llama_vocab_is_eog
+
+    def __contains__(self, token: int) -> bool:
+        return bool(self._is_eog(self._vocab, token))
+
+
+class LlamaCppSession(Session):
+    def __init__(self, ref: ModelRef, plan: Plan, threads: int | None = None):
+        from llama_cpp import Llama
+
+        self.spec = read_spec(ref)
+        self.plan = plan
+        self.backend_name = "llamacpp"
+        policy = plan.policy
+        type_k, type_v = kv_type_ids(policy)
+        if plan.context > self.spec.context_length and not policy.evicts:
+            raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
+                            f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
+        try:
+            with _quiet_stderr():
+                self.llm = Llama(model_path=str(ref.path), n_ctx=plan.context, n_threads=threads or default_threads(),
+                                 n_batch=512, type_k=type_k, type_v=type_v, flash_attn=policy.quantized,
+                                 verbose=False)
+        except (ValueError, RuntimeError) as exc:
+            raise RuntimeFailure(f"llama.cpp could not load {ref.path.name}: {exc}") from None
+        meta = self.llm.metadata
+        self.template = ChatTemplate(meta.get("tokenizer.chat_template"),
+                                     bos_token=self._piece(self.llm.token_bos()),
+                                     eos_token=self._piece(self.llm.token_eos()))
+        self._eog = _EndOfGeneration(self.llm)
+        width = self.spec.n_kv_heads * self.spec.head_dim
+        self._bytes_per_token = self.spec.n_layers * (ggml_row_size(type_k, width) + ggml_row_size(type_v, width))
+
+    # -- prompts ---------------------------------------------------------------
+    def _piece(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self.llm.detokenize([token], special=True).decode("utf-8", errors="replace")
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
+        text = self.template.render(prompt)
+        add_bos = not (self.template.bos_token and text.startswith(self.template.bos_token))
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+
+    def count_tokens(self, prompt: Prompt) -> int:
+        return len(self.tokenize(prompt))
+
+    # -- cache -----------------------------------------------------------------
+    def kv_state(self) -> tuple[int, int, int]:
+        """(KV bytes held, tokens held, tokens evicted): llama.cpp's token count times its own row
+        sizes for the K and V types in use (ggml_row_size), so q8_0/q4_0 block scales are counted."""
+        n = int(self.llm.n_tokens)
+        return n * self._bytes_per_token, n, 0
+
+    def reset(self) -> None:
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.close()
+
+    # -- generation ------------------------------------------------------------
+    def next_token_logits(self, prompt: Prompt):
+        """Logits for the token after ``prompt`` (a fresh evaluation; used by correctness tests and eval)."""
+        import numpy as np
+        import llama_cpp
+
+        tokens = self.tokenize(prompt)
+        self.reset()
+        self.llm.eval(tokens)
+        logits = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).copy()
+
+    def _cached_prefix(self, tokens: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.llm._input_ids, tokens):
+            if a != b:
+                break
+            n += 1
+        return min(n, len(tokens) - 1)  # llama-cpp-python replays the last token to refresh logits
+
+    def _tokens(self, prompt_ids: list[int], params: GenerationParams):
+        if params.seed is not None:
+            self.llm.set_seed(params.seed)
+        for token in self.llm.generate(prompt_ids, top_k=params.top_k, top_p=params.top_p, min_p=0.0,
+                                       temp=params.temperature, repeat_penalty=1.0):
+            yield token
+            if self.llm.n_tokens >= self.plan.context:
+                return "context"
+        return "stop"
+
+    def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
+                 cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+        ids = self.tokenize(prompt)
+        check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
+        clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
+                           cached_tokens=self._cached_prefix(ids))
+        yield from stream(self._tokens(ids, params),
+                          token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
+                          params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            return "llama-cpp-python is not installed: pip install llama-cpp-python"
+        return None
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}),
+                            notes=("quantized KV uses llama.cpp's q8_0 / q4_0 with flash attention",))
+
+    def load(self, model: ModelRef, plan: Plan) -> LlamaCppSession:
+        if model.kind != "gguf":
+            raise UserError(f"the llama.cpp backend loads GGUF files and {model.name} is an HF folder; "
+                            "use --backend torch or a .gguf file")
+        return LlamaCppSession(model, plan)

@@ -1,0 +1,60 @@
+"""Shared fixtures: the bundled model, an isolated user environment, and a CLI runner."""
+from __future__ import annotations
+
+import io
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def isolated_user_dirs(tmp_path_factory, monkeypatch):
+    """Config, data, caches and the hub cache live in a temp dir; the hub is never reached."""
+    root = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("LOCALCTX_DATA_DIR", str(root / "data"))
+    monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(root / "cache"))
+    monkeypatch.setenv("HF_HOME", str(root / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    yield root
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from localctx.backends.modelref import bundled_default_path
+
+    return bundled_default_path()
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+class _Stdin(io.StringIO):
+    def __init__(self, text: str | None):
+        super().__init__(text or "")
+        self._tty = text is None
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """Runs ``localctx ARGS`` in-process; ``stdin=None`` behaves like a terminal (nothing piped)."""
+    from localctx.app.cli import main
+
+    def run(*args: str, stdin: str | None = None) -> CliResult:
+        monkeypatch.setattr(sys, "stdin", _Stdin(stdin))
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse usage errors
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run

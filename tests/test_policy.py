@@ -1,0 +1,50 @@
+import pytest
+
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.policy import KVPolicy
+
+
+@pytest.mark.parametrize("text", ["fp16", "int8", "int4+res128", "int4+sink4+win4096",
+                                  "int8+sink4+win2048+heavy256", "int4+g64+res64+sink4+win512+heavy32",
+                                  "fp16+sink4+win1024", "fp16+win100"])
+def test_text_round_trips(text):
+    policy = KVPolicy.parse(text)
+    assert str(policy) == text
+    assert KVPolicy.parse(str(policy)) == policy
+
+
+def test_parse_reads_every_field_in_any_order():
+    p = KVPolicy.parse("win4096+sink4+INT4+res128+g64+heavy16")
+    assert (p.bits, p.group_size, p.residual, p.sinks, p.window, p.heavy) == (4, 64, 128, 4, 4096, 16)
+    assert str(p) == "int4+g64+res128+sink4+win4096+heavy16"
+
+
+def test_aliases_print_canonically():
+    assert str(KVPolicy.parse("bf16")) == "fp16"
+    assert str(KVPolicy.parse("q8")) == "int8"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "empty"),
+    ("int5", "unknown part 'int5'"),
+    ("int4+int8", "two precisions"),
+    ("int4+win0", "win0"),
+    ("int4+g48", "group size"),
+    ("fp16+res128", "residual"),
+    ("fp16+g64", "group size only applies"),
+    ("int4+sink4+sink8", "twice"),
+    ("int4+window4096", "unknown part"),
+])
+def test_invalid_forms_are_refused_with_the_reason(text, words):
+    with pytest.raises(UserError) as err:
+        KVPolicy.parse(text)
+    assert words in str(err.value)
+
+
+def test_exactness_and_capacity():
+    assert KVPolicy.parse("fp16").exact
+    assert not KVPolicy.parse("int8").exact
+    lossy = KVPolicy.parse("fp16+sink4+win1024+heavy100")
+    assert not lossy.exact and lossy.capacity() == 1128
+    assert lossy.kept_tokens(500) == 500 and lossy.kept_tokens(50_000) == 1128
+    assert KVPolicy.parse("int4").capacity() is None
