@@ -7,6 +7,7 @@ the backend can run, that fits the KV budget (free memory − weights − runtim
 holds the requested context within the trained length, and meets the speed target, wins."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -49,15 +50,16 @@ class BackendView:
     """What the planner needs from a backend, without importing one (kvcache must not)."""
     name: str
     refusals: Callable[[KVPolicy], list[str]]
-    shift_chunk: int = 0  # tokens a windowed cache may hold beyond its window before evicting (llama.cpp)
-    runtime_bytes: Callable[[ModelSpec], int] | None = None
 
 
 class NoPlanFits(UserError):
-    """No candidate fits: the message says why and what to change; ``rejected`` lists each reason."""
+    """No candidate fits. ``headline`` says what and how to fix it; the message adds each
+    candidate's reason on the same line (surfaces print errors as one line); ``rejected`` lists them."""
 
-    def __init__(self, message: str, rejected: list[Rejected]):
-        super().__init__(message)
+    def __init__(self, headline: str, rejected: list[Rejected]):
+        detail = "; ".join(f"{r.policy}: {r.reason}" for r in rejected)
+        super().__init__(headline + (f" ({detail})" if detail else ""))
+        self.headline = headline
         self.rejected = rejected
 
 
@@ -88,11 +90,24 @@ def default_runtime_bytes(spec: ModelSpec, kind: str) -> int:
     return base + activations + logits
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'6GB' → 6e9 bytes, '800MiB' → 800·2²⁰, '1.5gib', '123456' (bytes)."""
+    m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$", text or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"memory size {text!r} is not understood; write it like 6GB, 6GiB or 800MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 def budget(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: BackendView) -> Budget:
     free, limited_by = hw.free_bytes, "free memory"
     if req.max_memory is not None and req.max_memory < free:
         free, limited_by = req.max_memory, "--max-memory"
-    runtime = backend.runtime_bytes(spec) if backend.runtime_bytes else default_runtime_bytes(spec, hw.kind)
+    runtime = default_runtime_bytes(spec, hw.kind)
     margin = max(SAFETY_MIN, int(free * SAFETY_FRACTION))
     return Budget(free=free, weights=spec.weight_bytes, runtime=runtime, margin=margin, limited_by=limited_by)
 
@@ -159,7 +174,7 @@ class _Search:
         """Each bound on the window: memory, trained context, default cap, speed target, the context."""
         fixed = template.sinks + template.heavy
         limits = {
-            "trained context": self.spec.context_length - fixed - self.backend.shift_chunk,
+            "trained context": self.spec.context_length - fixed,
             f"default cap (half the trained {self.spec.context_length:,})": window_cap(self.spec),
             "requested context": self.context - fixed,
             "memory": self._memory_window(template),
@@ -167,7 +182,7 @@ class _Search:
         if self.req.min_tok_s:
             unbounded = replace(template, window=None, sinks=0, heavy=0)
             held = self.speed.max_cached_tokens(self.spec, unbounded, self.req.min_tok_s * SPEED_MARGIN)
-            limits[f"--min-tok-s {self.req.min_tok_s:g}"] = held - fixed - self.backend.shift_chunk
+            limits[f"--min-tok-s {self.req.min_tok_s:g}"] = held - fixed
         return limits
 
     def _memory_window(self, template: KVPolicy) -> int:
@@ -220,18 +235,21 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
         if s.exact_fits(policy):
             return _finish(s, policy, head + [_why_exact(policy, s)])
     if req.exact:
-        raise NoPlanFits(f"no exact plan for {context:,} tokens of {spec.name} on {hw.name}: "
-                         + "; ".join(f"{r.policy}: {r.reason}" for r in s.rejected)
-                         + "; drop --exact, lower --context or --min-tok-s", s.rejected)
+        raise NoPlanFits(f"no exact plan for {context:,} tokens of {spec.name} on {hw.name}; drop --exact, "
+                         "lower --context or --min-tok-s", s.rejected)
     options = [(p, bound) for t in lossy_templates(req.heavy) if (found := s.lossy(t)) for p, bound in [found]]
     if not options:
-        raise NoPlanFits(f"no plan for {context:,} tokens of {spec.name} on {hw.name}: "
-                         + "; ".join(f"{r.policy}: {r.reason}" for r in s.rejected), s.rejected)
-    best, bound = max(options, key=lambda o: o[0].window)  # largest window; ties keep the higher fidelity
+        raise NoPlanFits(f"no plan for {context:,} tokens of {spec.name} on {hw.name}; lower --context or "
+                         "--min-tok-s, or use a smaller model", s.rejected)
+    widest = max(p.window for p, _ in options)  # the largest window; within 5% of it, the higher fidelity
+    best, bound = next((p, bd) for p, bd in options if p.window >= widest * 0.95)
     for other, other_bound in options:
-        if other is not best:
-            s.reject(other, f"window {other.window:,} (bound by {other_bound}) vs {best.window:,} for {best}"
-                     if other.window < best.window else f"same window as {best}, at lower precision")
+        if other is best:
+            continue
+        if other.window < best.window:
+            s.reject(other, f"window {other.window:,} (bound by {other_bound}) is smaller than {best}'s")
+        else:
+            s.reject(other, f"its window is at most 5% larger than {best}'s, at lower precision")
     why = (f"lossy: keeps the first {best.sinks} and the last {best.window:,} tokens"
            + (f" plus {best.heavy:,} heavy hitters" if best.heavy else "")
            + f" of a {context:,}-token stream; the window is bound by {bound}")
