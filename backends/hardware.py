@@ -51,7 +51,7 @@ def named(name: str) -> HardwareProfile:
         return HardwareProfile(kind="cpu", name=cpu["name"], memory_bytes=total,
                                free_bytes=total - int(table()["cpu"]["reserved_gb"] * GiB),
                                bandwidth_bytes_s=cpu["bandwidth_gbs"] * GB, bandwidth_source="profile",
-                               key=key, compute_flops=cpu["fp16_tflops"] * 1e12, detected=False)
+                               key=cpu.get("calibration_key", key), compute_flops=cpu["fp16_tflops"] * 1e12, detected=False)
     m = _CPU_NAME.match(key)
     hint = (f"{m.group(1)} GB is not a CPU profile we know; " if m else "")
     raise UserError(f"unknown hardware profile {name!r}; {hint}use one of e.g. rtx4090, rtx4080, rtx3090, "

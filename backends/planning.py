@@ -73,3 +73,44 @@ def make_auto_plan(ctx: PlanningContext, spec: ModelSpec, req: PlanRequest) -> P
     p = plan(ctx.hardware, spec, req, ctx.backend, ctx.speed)
     p.reasons.extend(ctx.notes)
     return p
+
+
+TABLE_HARDWARE = ("m1-8gb", "m3-pro-36gb", "m2-max-64gb", "rtx4090", "rtx4080", "cpu-24gb")
+TABLE_MODELS = ("smollm2-135m", "llama-3-8b", "qwen2.5-7b", "llama-3.1-70b-q4")
+TABLE_CONTEXTS = (4096, 32768, 131072)
+
+
+@dataclass(frozen=True)
+class DecisionRow:
+    hardware: HardwareProfile
+    spec: ModelSpec
+    context: int
+    budget_kv: int
+    plan: Plan | None
+    refusal: str = ""  # the headline when no plan fits
+    rejected: tuple = ()
+
+
+def decision_rows(hardware_names=TABLE_HARDWARE, model_names=TABLE_MODELS, contexts=TABLE_CONTEXTS,
+                  backend: str = "auto") -> list[DecisionRow]:
+    """The planner's decision for every named machine × known model × context (docs/planner.md)."""
+    from localctx.backends.hardware import named
+    from localctx.kvcache.known_models import known_spec
+    from localctx.kvcache.planner import NoPlanFits
+
+    rows = []
+    for hw_name in hardware_names:
+        hw = named(hw_name)
+        for model in model_names:
+            spec = known_spec(model)
+            name = choose_backend(backend, hw)
+            view, notes = backend_view(name, spec)
+            ctx = PlanningContext(hw, view, SpeedModel(hw, calibration.load(name, hw.key)), notes)
+            for c in contexts:
+                req = PlanRequest(context=c)
+                kv_budget = budget(hw, spec, req, view).kv
+                try:
+                    rows.append(DecisionRow(hw, spec, c, kv_budget, make_auto_plan(ctx, spec, req)))
+                except NoPlanFits as exc:
+                    rows.append(DecisionRow(hw, spec, c, kv_budget, None, exc.headline, tuple(exc.rejected)))
+    return rows
