@@ -37,9 +37,11 @@ def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ..
     """The backend's refusals, from its class even where it cannot run (planning for another machine)."""
     cls = registry.backend_class(name)
     if cls is None:
-        caps = Capabilities()
         note = (f"backend {name} is not in this build: planned with full-precision KV only",)
-        return BackendView(name, caps.refusals), note
+        baseline = Capabilities()
+        return BackendView(name, lambda policy: [
+            f"{r} (the {name} backend is not in this build: only full-precision KV is assumed)"
+            for r in baseline.refusals(policy)]), note
     backend: Backend = cls()
     return BackendView(name, lambda policy: backend.refusals(policy, spec)), ()
 

@@ -23,6 +23,15 @@ def test_plan_text_names_the_choice_the_projection_and_the_rejected(cli):
 
 
 def test_plan_states_what_a_speed_target_cost(cli):
+    # a calibration in the (test-isolated) user cache: 6 ms per step plus 80 ps per fp16 KV byte
+    from localctx.backends.hardware import named
+    from localctx.kvcache import calibration
+    from localctx.kvcache.calibration import Calibration, FormatCost
+
+    hw = named("cpu-24gb")
+    calibration.save(Calibration(backend="llamacpp", hardware_key=hw.key, model="SmolLM2-135M-Instruct",
+                                 weight_bytes=96_576_768, bandwidth_bytes_s=hw.bandwidth_bytes_s,
+                                 formats={"fp16": FormatCost(0.006, 8e-11)}))
     r = cli("plan", "-m", "smollm2-135m", "--hardware", "cpu-24gb", "--context", "16384", "--min-tok-s", "100",
             "--json")
     assert r.code == 0, r.err
@@ -31,6 +40,9 @@ def test_plan_states_what_a_speed_target_cost(cli):
     assert any("bound by --min-tok-s 100" in x for x in out["plan"]["reasons"])
     assert any("speed target 100 tok/s met" in x for x in out["plan"]["reasons"])
     assert out["plan"]["decode_tok_s"] >= 100
+    assert out["calibration"].endswith("calibration-llamacpp-cpu-intel-r-xeon-r-processor-2c.json")
+    # 1 / (6 ms + 80 ps × 23,040 B × tokens) ≥ 110 tok/s (the target plus its 10% margin) holds up to 1,676 tokens
+    assert out["plan"]["policy"] == "fp16+sink4+win1672"
 
 
 def test_a_model_that_cannot_fit_is_refused_with_exit_2(cli):

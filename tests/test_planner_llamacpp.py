@@ -88,7 +88,8 @@ def test_a_windowed_session_streams_past_n_ctx(windowed):
 @pytest.mark.slow
 def test_after_a_shift_the_cache_equals_a_fresh_evaluation_of_the_kept_tokens(windowed, smollm2_path):
     """Sinks + window semantics: the shifted cache holds the first 4 tokens and the most recent ones at
-    positions 0..n-1; a fresh context fed exactly those tokens must predict the same next token."""
+    positions 0..n-1. A fresh context fed exactly those tokens predicts the same next token (not the same
+    logits: the kept tokens' deeper-layer K/V were computed while the evicted tokens were still there)."""
     import llama_cpp
     import numpy as np
     from llama_cpp import Llama
@@ -107,7 +108,9 @@ def test_after_a_shift_the_cache_equals_a_fresh_evaluation_of_the_kept_tokens(wi
     fresh_llm.close()
     assert int(np.argmax(shifted)) == int(np.argmax(fresh))
     assert len(set(np.argsort(shifted)[-5:]) & set(np.argsort(fresh)[-5:])) >= 4
-    assert np.max(np.abs(shifted - fresh)) < 0.05 * np.max(np.abs(fresh))
+    mem = llama_cpp.llama_get_memory(windowed.llm._ctx.ctx)
+    assert llama_cpp.llama_memory_seq_pos_min(mem, 0) == 0
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == windowed.llm.n_tokens - 1 < windowed.settings.n_ctx
 
 
 @pytest.mark.slow
