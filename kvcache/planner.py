@@ -30,9 +30,9 @@ SAFETY_MIN = 256 * MiB
 BATCH = 512  # tokens per prefill batch: sizes the runtime's activation buffers
 
 
-def window_cap(spec: ModelSpec) -> int:
-    """Largest window a lossy plan picks unasked: half the trained context. Past a few thousand
-    tokens StreamingLLM's perplexity stays flat while every cached token costs decode time."""
+def cache_cap(spec: ModelSpec) -> int:
+    """Most tokens a lossy plan keeps unasked (sinks + window): half the trained context. Past a few
+    thousand tokens StreamingLLM's perplexity stays flat while every cached token costs decode time."""
     return spec.context_length // 2
 
 
@@ -175,7 +175,7 @@ class _Search:
         fixed = template.sinks + template.heavy
         limits = {
             "trained context": self.spec.context_length - fixed,
-            f"default cap (half the trained {self.spec.context_length:,})": window_cap(self.spec),
+            f"default cap (the cache holds half the trained {self.spec.context_length:,})": cache_cap(self.spec) - fixed,
             "requested context": self.context - fixed,
             "memory": self._memory_window(template),
         }

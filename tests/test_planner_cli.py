@@ -17,7 +17,7 @@ def test_plan_on_paper_for_a_named_gpu_as_json(cli):
 def test_plan_text_names_the_choice_the_projection_and_the_rejected(cli):
     r = cli("plan", "-m", "llama-3-8b-q4", "--hardware", "cpu-24gb", "--context", "32768")
     assert r.code == 0, r.err
-    assert "policy    fp16+sink4+win4096" in r.out
+    assert "policy    fp16+sink4+win4092" in r.out
     assert "projected with this policy:" in r.out and "32,768" in r.out
     assert "rejected:" in r.out and "trained on" in r.out
 

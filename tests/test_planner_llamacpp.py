@@ -132,4 +132,4 @@ def test_run_past_the_trained_context_plans_a_window_on_llama_cpp(cli):
     result = cli("run", "--backend", "llamacpp", "--context", "16384", "--max-tokens", "4", "--json", "Say hi.")
     assert result.code == 0, result.err
     out = json.loads(result.out)
-    assert out["policy"] == "fp16+sink4+win4096" and out["exact"] is False
+    assert out["policy"] == "fp16+sink4+win4092" and out["exact"] is False
