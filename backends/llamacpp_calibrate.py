@@ -6,9 +6,10 @@ One timed step = evaluate one token at position n, then drop it again (seq_rm), 
 of a context sees exactly n cached tokens. Medians of the samples are fitted."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localctx.backends.hardware import detect
@@ -99,7 +100,12 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = (256, 4
         filled = n
     for llm in llms:
         llm.close()
-    return _fit(spec, ref, hw, probes, prefill_rates, threads)
+    cal = _fit(spec, ref, hw, probes, prefill_rates, threads)
+    try:
+        load = f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):  # no load average on this platform
+        load = "unknown"
+    return replace(cal, note=cal.note + f"; 1-minute load average {load} on {os.cpu_count()} CPUs at the end")
 
 
 def _fit(spec, ref, hw, probes: list[_Probe], prefill_rates: list[float], threads: int) -> Calibration:

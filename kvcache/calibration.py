@@ -9,8 +9,9 @@ format). Two timed context lengths per format give both numbers. The per-byte co
 format because dequantisation is work: on this project's 2-core CPU llama.cpp reads q4 KV
 several times slower per byte than f16, so fewer bytes is not faster there.
 
-Any backend can contribute one: measure ``(context, seconds per step)`` points per format, build
-``Calibration.from_points`` and ``save`` it. It is looked up by (backend, hardware key): first in
+Any backend can contribute one: time ``(context, kv bytes, seconds per step)`` points per format,
+fit each with ``FormatCost.fit``, build a ``Calibration`` under the backend's name and the
+``HardwareProfile.key`` of the machine, and ``save`` it. It is looked up by (backend, hardware key): first in
 the user cache directory, then among the defaults committed in ``assets/calibration-*.json``.
 """
 from __future__ import annotations
