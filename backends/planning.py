@@ -84,6 +84,7 @@ TABLE_CONTEXTS = (4096, 32768, 131072)
 
 @dataclass(frozen=True)
 class DecisionRow:
+    profile: str  # the named profile, e.g. "rtx4090"
     hardware: HardwareProfile
     spec: ModelSpec
     context: int
@@ -112,7 +113,8 @@ def decision_rows(hardware_names=TABLE_HARDWARE, model_names=TABLE_MODELS, conte
                 req = PlanRequest(context=c)
                 kv_budget = budget(hw, spec, req, view).kv
                 try:
-                    rows.append(DecisionRow(hw, spec, c, kv_budget, make_auto_plan(ctx, spec, req)))
+                    rows.append(DecisionRow(hw_name, hw, spec, c, kv_budget, make_auto_plan(ctx, spec, req)))
                 except NoPlanFits as exc:
-                    rows.append(DecisionRow(hw, spec, c, kv_budget, None, exc.headline, tuple(exc.rejected)))
+                    rows.append(DecisionRow(hw_name, hw, spec, c, kv_budget, None, exc.headline,
+                                           tuple(exc.rejected)))
     return rows

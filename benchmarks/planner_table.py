@@ -32,11 +32,11 @@ def main() -> None:
     for r in rows:
         budget = format_bytes(max(r.budget_kv, 0))
         if r.plan is None:
-            print(f"| {r.hardware.key} | {r.spec.name} | {r.context:,} | | **refused** | — / {budget} | | "
+            print(f"| {r.profile} | {r.spec.name} | {r.context:,} | | **refused** | — / {budget} | | "
                   f"{short_reason(r)} |")
             continue
         p = r.plan
-        print(f"| {r.hardware.key} | {r.spec.name} | {r.context:,} | {p.backend} | `{p.policy}` "
+        print(f"| {r.profile} | {r.spec.name} | {r.context:,} | {p.backend} | `{p.policy}` "
               f"({'exact' if p.exact else 'lossy'}) | {format_bytes(p.kv_bytes)} / {budget} | "
               f"{p.decode_tok_s:.1f} | {short_reason(r)} |")
 

@@ -41,7 +41,7 @@ def test_every_decision_carries_its_reasons(rows):
 
 
 def test_expected_landmarks(rows):
-    by = {(r.hardware.key, r.spec.name.split(" ")[0], r.context): r for r in rows}
+    by = {(r.profile, r.spec.name.split(" ")[0], r.context): r for r in rows}
     # 8 GB M1 cannot hold an 8B model in bf16; a 24 GB RTX 4090 holds it exactly at its trained 8K context
     assert by[("m1-8gb", "Llama-3-8B-Instruct", 4096)].plan is None
     assert by[("rtx4090", "Llama-3-8B-Instruct", 4096)].plan.exact
