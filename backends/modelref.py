@@ -81,6 +81,18 @@ def _folder(path: Path) -> ModelRef:
     return ModelRef("hf", path, path.name, "folder")
 
 
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("", "0", "false", "no")
+
+
+def hub_cache_dir() -> Path:
+    """huggingface-hub's cache folder, read from the environment now (the library reads it once at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(os.path.expanduser(home)) / "hub"
+
+
 def _hub(text: str) -> ModelRef:
     repo, _, pick = text.partition(":")
     try:
@@ -89,10 +101,10 @@ def _hub(text: str) -> ModelRef:
     except ImportError:  # pragma: no cover - a declared dependency
         raise UserError("huggingface-hub is not installed: pip install huggingface-hub") from None
     try:
-        folder = Path(snapshot_download(repo, local_files_only=True))
+        folder = Path(snapshot_download(repo, local_files_only=True, cache_dir=hub_cache_dir()))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
-        why = "HF_HUB_OFFLINE is set" if offline else "it is not in the local Hugging Face cache"
+        why = ("it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if hub_offline()
+               else "it is not in the local Hugging Face cache")
         raise UserError(f"model {repo} is not available: {why}; run `localctx pull {repo}` where the hub "
                         "can be reached, or give a local path") from None
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):

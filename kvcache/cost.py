@@ -3,6 +3,7 @@
 A cache's reported bytes must equal ``kv_bytes`` for the same policy and token count."""
 from __future__ import annotations
 
+from localctx.kvcache.eviction import held_counts
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
 
@@ -19,10 +20,12 @@ def full_bytes_per_token(spec: ModelSpec, elem_bytes: int | None = None) -> int:
 
 
 def quant_bytes_per_token(spec: ModelSpec, bits: int, group_size: int) -> int:
-    """Packed payload plus the scale+min of each group, amortised over the group's tokens.
+    """Packed payload plus the fp16 scale+min of each group, amortised over the group's tokens.
 
-    Keys are grouped per channel over ``group_size`` tokens and values per token over
-    ``group_size`` channels; either way one group of ``group_size`` elements carries 2 scales."""
+    Keys are grouped per channel over ``group_size`` tokens (one scale+min per channel per
+    group) and values per token over ``group_size`` channels (one scale+min per token per
+    channel group); either way ``group_size`` elements carry one scale and one min. Exact for
+    head dims that are a multiple of the group size (the cache refuses the others)."""
     elems = kv_elements_per_token(spec)
     return elems * bits // 8 + (elems // group_size) * 2 * SCALE_BYTES
 
@@ -34,23 +37,40 @@ def kv_bytes_per_token(spec: ModelSpec, policy: KVPolicy) -> int:
     return full_bytes_per_token(spec)
 
 
-def split_tokens(policy: KVPolicy, kept: int) -> tuple[int, int]:
-    """(quantized, full-precision) tokens among ``kept`` cached tokens.
+def split_tokens(policy: KVPolicy, n_tokens: int) -> tuple[int, int]:
+    """(quantized, full-precision) tokens a cache holds after ``n_tokens`` have streamed in.
 
-    Tokens are quantized a whole group at a time once they are older than the residual."""
-    if not policy.quantized:
-        return 0, kept
-    g = policy.group_size
-    quantized = max(0, kept - policy.residual) // g * g
-    return quantized, kept - quantized
+    What the cache stores (kvcache/eviction.py has the rules): the sinks stay full precision;
+    the main stream is quantized a whole aligned group at a time once the group is older than
+    the residual, and only when a group can age out of the residual inside the window
+    (window >= residual + group, or no window), else everything held is full precision; a
+    quantized group leaves the window whole (so the window holds W..W+g-1 tokens), and heavy
+    hitters among quantized tokens are whole groups (ceil(heavy / g) of them)."""
+    held = held_counts(policy, n_tokens)
+    return held.quant_tokens, held.sink_tokens + held.full_tokens
+
+
+def held_tokens(policy: KVPolicy, n_tokens: int) -> int:
+    """Tokens a cache holds after ``n_tokens`` (what attention sees)."""
+    return held_counts(policy, n_tokens).tokens
 
 
 def kv_bytes(spec: ModelSpec, policy: KVPolicy, n_tokens: int) -> int:
-    """Exact KV bytes after ``n_tokens`` tokens have streamed through a cache with ``policy``."""
-    kept = policy.kept_tokens(max(0, n_tokens))
-    quantized, full = split_tokens(policy, kept)
+    """Exact KV bytes after ``n_tokens`` tokens have streamed through a cache with ``policy``:
+    quantized tokens at ``quant_bytes_per_token`` (payload + group scales/mins), the rest at the
+    model's full precision. Bookkeeping (positions, attention mass) is not KV and not counted."""
+    quantized, full = split_tokens(policy, n_tokens)
     q_bytes = quant_bytes_per_token(spec, policy.bits, policy.group_size) * quantized if quantized else 0
     return q_bytes + full_bytes_per_token(spec) * full
+
+
+def paged_kv_bytes(spec: ModelSpec, policy: KVPolicy, n_tokens: int, block_size: int) -> int:
+    """Bytes of the whole blocks a paged full-precision cache holds after ``n_tokens`` tokens:
+    ``kv_bytes`` rounded up to the block (what the pool has reserved, not only what is filled)."""
+    if policy.quantized:
+        raise ValueError("paged_kv_bytes covers full-precision blocks; quantized blocks are sized by kv_bytes")
+    kept = policy.kept_tokens(max(0, n_tokens))
+    return -(-kept // block_size) * block_size * full_bytes_per_token(spec)
 
 
 def max_kv_bytes(spec: ModelSpec, policy: KVPolicy, context: int) -> int:
@@ -59,10 +79,11 @@ def max_kv_bytes(spec: ModelSpec, policy: KVPolicy, context: int) -> int:
 
 
 def _peak_candidates(policy: KVPolicy, context: int) -> list[int]:
-    cap = policy.capacity()
-    last = context if cap is None else min(context, cap)
-    # the full-precision tail is largest just before a group is quantized
-    return sorted({last, max(0, last - 1), *(last - i for i in range(min(last, policy.group_size)))})
+    # Bytes grow with the stream until the window is full, then repeat with a period of one
+    # group (a group is quantized, a group is evicted); the full-precision tail is largest just
+    # before a group is quantized. The last few groups' worth of lengths cover every phase.
+    span = 4 * policy.group_size + 2
+    return list(range(max(0, context - span), context + 1))
 
 
 def decode_tok_s_roofline(bandwidth_bytes_s: float, weight_bytes: int, kv_read_bytes: int,

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from localctx.backends.model_spec import read_spec
-from localctx.backends.modelref import ModelRef, bundled_default_path, resolve
+from localctx.backends.modelref import ModelRef, bundled_default_path, hub_cache_dir, resolve
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 
@@ -35,7 +35,7 @@ def local_models(extra: list[str]) -> list[ModelRef]:
 def _hub_cache() -> list[ModelRef]:
     try:
         from huggingface_hub import scan_cache_dir
-        info = scan_cache_dir()
+        info = scan_cache_dir(hub_cache_dir())
     except Exception:  # no cache yet, or an unreadable one: nothing cached to list
         return []
     refs = []

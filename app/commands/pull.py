@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from localctx.backends.modelref import hub_cache_dir, hub_offline
 from localctx.kvcache.errors import RuntimeFailure, UserError
 
 
@@ -21,9 +22,13 @@ def handle(args: argparse.Namespace) -> int:
 
     if "/" not in args.repo:
         raise UserError(f"{args.repo!r} is not a repo id; use OWNER/NAME, e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
+    if hub_offline():
+        raise RuntimeFailure(f"the Hugging Face hub cannot be reached: HF_HUB_OFFLINE is set; unset it and "
+                             f"try again with a connection ({args.repo} was not downloaded)")
     patterns = args.include or ["*.json", "*.safetensors", "*.gguf", "tokenizer*", "*.jinja", "*.txt"]
     try:
-        path = snapshot_download(args.repo, revision=args.revision, allow_patterns=patterns)
+        path = snapshot_download(args.repo, revision=args.revision, allow_patterns=patterns,
+                                 cache_dir=hub_cache_dir())
     except RepositoryNotFoundError:
         raise UserError(f"repo {args.repo} does not exist on the hub (or needs a token: huggingface-cli login)") from None
     except LocalEntryNotFoundError:

@@ -1,0 +1,93 @@
+"""The chat's model side, run from worker threads: streams answers, stops them, re-plans.
+
+Nothing here knows about Textual: results go to an ``emit`` callback (the screen posts them to
+itself, which is thread-safe). One lock keeps generation, reset, re-plan and close from overlapping."""
+from __future__ import annotations
+
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+from localctx.backends.base import GenerationEvent, GenerationParams, Session
+from localctx.kvcache.errors import RuntimeFailure, UserError
+
+
+@dataclass(frozen=True)
+class Streamed:
+    turn: int
+    event: GenerationEvent
+
+
+@dataclass(frozen=True)
+class Failed:
+    turn: int
+    message: str  # one line for the user
+    detail: str = ""  # traceback of an unexpected error, for the log
+
+
+@dataclass(frozen=True)
+class Replanned:
+    session: Session | None  # None when the new policy was refused
+    message: str
+
+
+Emit = Callable[[object], None]
+Reopen = Callable[[str | None], Session]  # a new session with this --kv policy (None = planned)
+
+
+class ChatEngine:
+    def __init__(self, session: Session, reopen: Reopen, params: GenerationParams):
+        self.session = session
+        self.reopen = reopen
+        self.params = params
+        self._lock = threading.Lock()
+        self._cancel: threading.Event | None = None
+
+    # -- UI thread ---------------------------------------------------------------
+    def new_cancel(self) -> threading.Event:
+        self._cancel = threading.Event()
+        return self._cancel
+
+    def stop(self) -> None:
+        """Asks the answer in progress to stop after its current token (what it generated is kept)."""
+        if self._cancel is not None:
+            self._cancel.set()
+
+    def reset(self) -> None:
+        """Forgets the cached conversation (a new chat, another chat, /clear)."""
+        with self._lock:
+            self.session.reset()
+
+    # -- worker threads ----------------------------------------------------------
+    def answer(self, turn: int, messages: list[dict], cancel: threading.Event, emit: Emit) -> None:
+        """Streams the answer to ``messages``; the session reuses whatever prefix its cache holds."""
+        with self._lock:
+            try:
+                for event in self.session.generate(messages, self.params, cancel):
+                    emit(Streamed(turn, event))
+            except (UserError, RuntimeFailure) as exc:
+                emit(Failed(turn, str(exc)))
+            except Exception as exc:  # a backend bug must not take the chat down with it
+                emit(Failed(turn, f"generation failed: {type(exc).__name__}: {exc}", traceback.format_exc()))
+
+    def replan(self, kv: str | None, emit: Emit) -> None:
+        """Opens a session with policy ``kv`` and swaps it in; the old one stays if that fails."""
+        with self._lock:
+            try:
+                new = self.reopen(kv)
+            except (UserError, RuntimeFailure) as exc:
+                emit(Replanned(None, str(exc)))
+                return
+            except Exception as exc:
+                emit(Replanned(None, f"re-planning failed: {type(exc).__name__}: {exc}"))
+                return
+            old, self.session = self.session, new
+            old.close()
+            emit(Replanned(new, f"KV policy is now {new.plan.policy} ({new.plan.policy.describe()})"))
+
+    def close(self) -> None:
+        """Stops any answer, waits for it, and releases the model."""
+        self.stop()
+        with self._lock:
+            self.session.close()

@@ -1,0 +1,1 @@
+"""The chat's widgets: the conversation, the input and the cache panel."""

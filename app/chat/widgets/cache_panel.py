@@ -1,0 +1,91 @@
+"""The side panel: live figures from the latest GenerationEvent and the plan."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Label, Static
+
+from localctx.app.chat.figures import CacheFigures
+from localctx.kvcache.cost import format_bytes
+
+BAR_WIDTH = 24
+STATE_LABELS = {"idle": "ready", "prefilling": "reading the prompt…", "streaming": "answering…",
+                "stopped": "stopped", "done": "done", "failed": "failed", "loading": "re-planning…"}
+
+
+def bar(used: int, budget: int, width: int = BAR_WIDTH) -> Text:
+    """A text bar of ``used`` against ``budget``; over budget fills it and turns red."""
+    if budget > 0:
+        frac = used / budget
+    else:
+        frac = float("inf") if used > 0 else 0.0
+    filled = width if frac >= 1 else round(frac * width)
+    if used > 0 and filled == 0:
+        filled = 1
+    style = "red" if frac > 1 else ("yellow" if frac > 0.8 else "green")
+    return Text.assemble(("█" * filled, style), ("░" * (width - filled), "dim"))
+
+
+def tok_s(value: float) -> str:
+    return f"{value:,.1f} tok/s" if value > 0 else "–"
+
+
+class CachePanel(VerticalScroll):
+    """Shows a CacheFigures; ``figures`` is what it shows now (tests compare it with the events)."""
+
+    def __init__(self, figures: CacheFigures, **kwargs):
+        super().__init__(**kwargs)
+        self.figures = figures
+
+    def compose(self) -> ComposeResult:
+        yield Label("KV policy", classes="heading")
+        yield Static(id="policy")
+        yield Static(id="policy-detail", classes="detail")
+        yield Label("KV memory", classes="heading")
+        yield Static(id="kv-bar")
+        yield Static(id="kv")
+        yield Static(id="kv-detail", classes="detail")
+        yield Label("Context", classes="heading")
+        yield Static(id="context-bar")
+        yield Static(id="context")
+        yield Static(id="context-detail", classes="detail")
+        yield Label("Speed", classes="heading")
+        yield Static(id="speed")
+        yield Label("Session", classes="heading")
+        yield Static(id="session")
+        yield Static(id="state")
+
+    def on_mount(self) -> None:
+        self.show(self.figures)
+
+    def show(self, figures: CacheFigures) -> None:
+        self.figures = f = figures
+        badge = Text(" EXACT " if f.exact else " LOSSY ", style="bold black on green" if f.exact
+                     else "bold black on dark_orange")
+        self.query_one("#policy", Static).update(Text.assemble((f.policy + " ", "bold"), badge))
+        self.query_one("#policy-detail", Static).update(f.facts.plan.policy.describe().split(": ", 1)[-1])
+        self.query_one("#kv-bar", Static).update(bar(f.kv_bytes, f.kv_budget))
+        self.query_one("#kv", Static).update(f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_budget)} planned")
+        self.query_one("#kv-detail", Static).update(self._kv_detail(f))
+        self.query_one("#context-bar", Static).update(bar(f.context_used, f.context_budget))
+        self.query_one("#context", Static).update(f"{f.context_used:,} of {f.context_budget:,} tokens")
+        self.query_one("#context-detail", Static).update(
+            f"{f.cached_tokens:,} reused from the cache this turn" if f.stats else "nothing cached yet")
+        self.query_one("#speed", Static).update(
+            f"prefill {tok_s(f.prefill_tok_s)}\ndecode  {tok_s(f.decode_tok_s)}")
+        self.query_one("#session", Static).update(
+            f"backend  {f.facts.backend}\nmodel    {f.facts.model}\nhardware {f.facts.hardware}")
+        self.query_one("#state", Static).update(Text(STATE_LABELS.get(f.state, f.state), style="italic"))
+
+    @staticmethod
+    def _kv_detail(f: CacheFigures) -> Text:
+        held = f"cache holds {f.kv_tokens:,} tokens"
+        if not f.facts.plan.policy.evicts:
+            return Text(held)
+        if f.evicted_tokens:
+            policy = f.facts.plan.policy
+            kept = f"kept the first {policy.sinks} and the last {policy.window}" + (
+                f" plus {policy.heavy} heavy hitters" if policy.heavy else "")
+            return Text.assemble(held + "\n", (f"evicted {f.evicted_tokens:,} tokens; {kept}", "dark_orange"))
+        return Text(held + "\nnothing evicted yet")

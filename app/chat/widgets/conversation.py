@@ -1,0 +1,106 @@
+"""The conversation pane: the user's messages, the answers as streamed markdown, and notes."""
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+from localctx.app.history import ChatMessage, Conversation, TurnStats
+
+FINISH_WORDS = {"stop": "", "length": "hit the token limit", "cancelled": "stopped"}
+
+
+def stats_line(stats: TurnStats) -> str:
+    parts = [f"{stats.generated_tokens:,} tokens"]
+    if stats.decode_tok_s:
+        parts.append(f"decode {stats.decode_tok_s:,.1f} tok/s")
+    if stats.prefill_tok_s:
+        parts.append(f"prefill {stats.prefill_tok_s:,.1f} tok/s")
+    parts.append(f"{stats.prompt_tokens - stats.cached_tokens:,} of {stats.prompt_tokens:,} prompt tokens prefilled")
+    if stats.evicted_tokens:
+        parts.append(f"{stats.evicted_tokens:,} evicted")
+    finish = FINISH_WORDS.get(stats.finish_reason, stats.finish_reason)
+    if finish:
+        parts.append(finish)
+    return " · ".join(parts)
+
+
+class UserMessage(Static):
+    def __init__(self, text: str):
+        super().__init__(text, markup=False, classes="message user")
+
+
+class Note(Markdown):
+    """Something the app says (help, errors, policy changes); never sent to the model."""
+
+    def __init__(self, text: str, kind: str = "info"):
+        super().__init__(text, classes=f"note {kind}")
+
+
+class Answer(Vertical):
+    """One assistant answer; while streaming it takes fragments through a MarkdownStream."""
+
+    def __init__(self, text: str = "", stats: TurnStats | None = None):
+        super().__init__(classes="message assistant")
+        self._initial = text
+        self._stats = stats
+        self.text = text
+        self._stream: MarkdownStream | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Label("assistant", classes="who")
+        yield Markdown(self._initial)
+        yield Static(stats_line(self._stats) if self._stats else "", classes="stats")
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    async def append(self, fragment: str) -> None:
+        if not fragment:
+            return
+        self.text += fragment
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.body)
+        await self._stream.write(fragment)
+
+    async def finish(self, stats: TurnStats) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self._stats = stats
+        self.query_one(".stats", Static).update(stats_line(stats))
+
+
+class ConversationView(VerticalScroll):
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def show(self, conv: Conversation) -> None:
+        await self.remove_children()
+        widgets = []
+        if conv.system:
+            widgets.append(Note(f"**system prompt:** {conv.system}", "system"))
+        widgets += [self._widget(m) for m in conv.messages]
+        if widgets:
+            await self.mount_all(widgets)
+        self.scroll_end(animate=False)
+
+    @staticmethod
+    def _widget(message: ChatMessage):
+        if message.role == "user":
+            return UserMessage(message.content)
+        return Answer(message.content, message.stats)
+
+    async def add_user(self, text: str) -> None:
+        await self.mount(UserMessage(text))
+
+    async def start_answer(self) -> Answer:
+        answer = Answer()
+        await self.mount(answer)
+        return answer
+
+    async def add_note(self, text: str, kind: str = "info") -> None:
+        await self.mount(Note(text, kind))
+        self.scroll_end(animate=False)

@@ -1,0 +1,66 @@
+"""``localctx chat``: the Textual chat that shows what the KV cache is doing."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from dataclasses import replace
+
+import psutil
+
+from localctx.app.session_options import SessionRequest, add_session_options, make_plan, open_session, resolve_model
+from localctx.backends.base import GenerationParams
+from localctx.kvcache.cost import format_bytes
+from localctx.kvcache.errors import UserError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("chat", help="chat in the terminal, with the KV cache in view",
+                       description="Chat with a local model. Enter sends, Escape stops, Ctrl+N starts a new "
+                                   "chat, Ctrl+O lists saved chats, F2 shows the plan, /help lists commands.")
+    add_session_options(p)
+    p.add_argument("--system", default="", help="system prompt for new chats")
+    p.add_argument("--max-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--resume", action="store_true", help="open the most recent saved chat")
+    p.set_defaults(handler=handle)
+
+
+def describe_hardware() -> str:
+    memory = format_bytes(psutil.virtual_memory().total)
+    return f"{platform.machine() or 'cpu'}, {os.cpu_count() or 1} cores, {memory} RAM"
+
+
+def params_from(args: argparse.Namespace) -> GenerationParams:
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens {args.max_tokens} must be at least 1")
+    if args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature} must be 0 (greedy) or more")
+    return GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature)
+
+
+def handle(args: argparse.Namespace) -> int:
+    # imported here so that other commands do not pay for Textual
+    from localctx.app.chat.app import ChatApp
+    from localctx.app.chat.setup import ChatSetup
+    from localctx.app.history import History
+
+    params = params_from(args)
+    request = SessionRequest.from_args(args)
+    make_plan(request, resolve_model(request)[1])  # a bad -m / --kv / --context fails here, before anything loads
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UserError("localctx chat needs a terminal (stdin and stdout); for piped or scripted use, "
+                        'run localctx run "PROMPT"')
+    history, notice = History.open()
+    session = open_session(request)
+    setup = ChatSetup(session=session, reopen=lambda kv: open_session(replace(request, kv=kv)), history=history,
+                      params=params, hardware=describe_hardware(), system=args.system, resume=args.resume,
+                      notice=notice)
+    app = ChatApp(setup)
+    try:
+        app.run()
+    finally:
+        app.engine.close()
+        history.close()
+    return app.return_code or 0

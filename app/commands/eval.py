@@ -1,0 +1,138 @@
+"""``localctx eval``: what a KV policy costs in quality on your model — perplexity of a long text
+streamed through the policy's cache, and passkey retrieval over context lengths × depths — each
+policy beside the full-precision cache of the same backend (torch)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from localctx.app.session_options import SessionRequest, resolve_model
+from localctx.kvcache.cost import format_bytes
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.policy import KVPolicy
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity and needle retrieval of KV policies against full precision",
+                       description="Measure what each KV policy costs in quality, beside the full-precision cache.")
+    p.add_argument("-m", "--model", default=None, help="GGUF path or HF folder (default: the bundled SmolLM2-135M)")
+    p.add_argument("--kv", action="append", default=[], metavar="POLICY",
+                   help="a KV policy to evaluate (repeatable), e.g. int8, int4+res128, int4+sink4+win2048")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens of text streamed for perplexity (default 8192)")
+    p.add_argument("--chunk", type=int, default=128,
+                   help="tokens per forward while streaming text or a passkey prompt (default 128)")
+    p.add_argument("--score-from", type=int, default=0, metavar="N",
+                   help="score only the predictions of tokens N.. (e.g. past the trained context)")
+    p.add_argument("--segment", type=int, default=0, metavar="N", help="also report perplexity per N tokens")
+    p.add_argument("--needle-lengths", default="1024,2048,4096", metavar="L1,L2",
+                   help="passkey prompt lengths in tokens (default 1024,2048,4096)")
+    p.add_argument("--needle-depths", default="0.1,0.5,0.9", metavar="D1,D2", help="key depths in [0, 1]")
+    p.add_argument("--no-perplexity", action="store_true", help="skip the perplexity run")
+    p.add_argument("--no-needle", action="store_true", help="skip the passkey grid")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the full-precision run (when another run of the same task measured it)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(handler=handle)
+
+
+def _numbers(text: str, kind, what: str) -> tuple:
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"{what} {text!r} must be comma-separated numbers, e.g. 1024,2048") from None
+    if not values:
+        raise UserError(f"{what} is empty; give at least one value")
+    return values
+
+
+def tasks_from(args: argparse.Namespace):
+    from localctx.backends.torch.evaluate import NeedleTask, PerplexityTask
+
+    if args.chunk < 1:
+        raise UserError(f"--chunk {args.chunk} must be at least 1")
+    if args.no_perplexity and args.no_needle:
+        raise UserError("--no-perplexity and --no-needle leave nothing to measure; drop one")
+    ppl = None
+    if not args.no_perplexity:
+        if args.tokens < 64:
+            raise UserError(f"--tokens {args.tokens} is too few for a perplexity; give at least 64")
+        if not 0 <= args.score_from < args.tokens - 1:
+            raise UserError(f"--score-from {args.score_from} must lie inside the {args.tokens} tokens")
+        ppl = PerplexityTask(args.tokens, args.chunk, args.score_from, max(0, args.segment))
+    needle = None
+    if not args.no_needle:
+        lengths = _numbers(args.needle_lengths, int, "--needle-lengths")
+        depths = _numbers(args.needle_depths, float, "--needle-depths")
+        if min(lengths) < 128:
+            raise UserError("--needle-lengths must be at least 128 tokens each")
+        if not all(0 <= d <= 1 for d in depths):
+            raise UserError("--needle-depths must lie in [0, 1] (0 = start of the context, 1 = end)")
+        needle = NeedleTask(lengths, depths, chunk=max(1, args.chunk))
+    return ppl, needle
+
+
+def handle(args: argparse.Namespace) -> int:
+    policies = [KVPolicy.parse(text) for text in args.kv]
+    if args.no_baseline and not policies:
+        raise UserError("--no-baseline with no --kv leaves nothing to measure; give --kv POLICY")
+    ppl, needle = tasks_from(args)
+    from localctx.backends.torch.backend import TorchOptions, load_model
+    from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
+
+    ref, _ = resolve_model(SessionRequest(model=args.model, backend="torch"))
+    loaded = load_model(ref, TorchOptions.from_env())
+    evaluator = PolicyEvaluator(loaded.model, loaded.tokenizer)
+    progress = None if args.json else (lambda r: print(f"  measured {progress_line(r)}", file=sys.stderr, flush=True))
+    reports = evaluate(evaluator, policies, ppl, needle, progress, baseline=not args.no_baseline)
+    if args.json:
+        print(json.dumps(as_json(ref.name, ppl, needle, reports), indent=2))
+    else:
+        print(table(ref.name, ppl, needle, reports))
+    return 0
+
+
+def progress_line(r) -> str:
+    parts = [r.policy]
+    if r.perplexity:
+        parts.append(f"ppl {r.perplexity.ppl:.3f} ({r.perplexity.seconds:.0f} s)")
+    if r.needle:
+        parts.append(f"passkey {r.needle.hits}/{r.needle.total} ({r.needle.seconds:.0f} s)")
+    return ", ".join(parts)
+
+
+def as_json(model: str, ppl, needle, reports) -> dict:
+    from dataclasses import asdict
+
+    return {"model": model, "backend": "torch",
+            "perplexity_task": asdict(ppl) if ppl else None, "needle_task": asdict(needle) if needle else None,
+            "policies": [{"policy": r.policy, "exact": r.exact,
+                          "perplexity": asdict(r.perplexity) if r.perplexity else None,
+                          "needle": (asdict(r.needle) | {"accuracy": r.needle.accuracy}) if r.needle else None}
+                         for r in reports]}
+
+
+def table(model: str, ppl, needle, reports) -> str:
+    base = reports[0] if reports[0].exact else None
+    lines = [f"model {model}, torch backend"]
+    if ppl:
+        lines.append(f"perplexity: {ppl.n_tokens} tokens of pydoc_data.topics streamed in chunks of {ppl.chunk}, "
+                     f"scored from token {max(1, ppl.score_from)}")
+    if needle:
+        lines.append(f"passkey: lengths {','.join(map(str, needle.lengths))} x depths "
+                     f"{','.join(map(str, needle.depths))}, exact match")
+    head = f"{'policy':<28} {'kind':<6} {'ppl':>9} {'vs fp':>8} {'needle':>8} {'vs fp':>7} {'KV held':>11} {'s':>6}"
+    lines += [head, "-" * len(head)]
+    for r in reports:
+        p, n = r.perplexity, r.needle
+        ppl_s = f"{p.ppl:9.3f}" if p else f"{'-':>9}"
+        dppl = f"{(p.ppl / base.perplexity.ppl - 1) * 100:+7.2f}%" if p and base else f"{'-':>8}"
+        acc = f"{n.hits}/{n.total}" if n else "-"
+        dacc = f"{(n.accuracy - base.needle.accuracy) * 100:+6.1f}" if n and base else "-"
+        held = format_bytes(p.kv_bytes) if p else "-"
+        secs = (p.seconds if p else 0) + (n.seconds if n else 0)
+        lines.append(f"{r.policy:<28} {'exact' if r.exact else 'lossy':<6} {ppl_s} {dppl} {acc:>8} {dacc:>7} "
+                     f"{held:>11} {secs:6.0f}")
+        for a, b, seg in (p.segments if p else []):
+            lines.append(f"    tokens {a:>6}-{b:<6} ppl {seg:9.3f}")
+    return "\n".join(lines)

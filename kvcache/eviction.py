@@ -1,0 +1,105 @@
+"""Which tokens a policy cache holds: sinks, the recent window, heavy hitters, and which of them
+are quantized. Pure arithmetic and selection; the cache (``kvcache/layer_store.py``) applies it.
+
+The rules, for a stream of ``n`` tokens (index 0 = the first token) and a policy
+``bits / g / residual R / sinks S / window W / heavy``:
+
+1. **Sinks.** Tokens 0..S-1 are always kept, in full precision (they are few, and every query
+   attends to them). The rest is the *main stream*; main index ``i`` = stream index − S, and
+   ``m`` = max(0, n − S) main tokens have arrived.
+2. **Quantization.** The main stream is cut into aligned groups of g tokens (group k = main
+   indices kg … kg+g−1). Group k is quantized once it is entirely older than the residual:
+   (k+1)·g ≤ m − R. Younger tokens stay in full precision. Quantization applies only when a
+   group can age out of the residual before it leaves the window (W ≥ R + g, or no window);
+   otherwise every kept token stays in full precision — nothing is ever quantized and then
+   immediately thrown away. ``quantizes(policy)`` says which case holds.
+3. **Window.** A unit (a full-precision token, or a whole quantized group) leaves the window
+   when its newest token is older than the last W main tokens: newest main index < m − W.
+   A quantized group is evicted whole, never split (splitting would mean re-quantizing its
+   per-channel key scales), so with quantized KV the window holds W … W+g−1 tokens.
+4. **Heavy hitters (H2O).** Units that left the window compete for ``heavy`` places by
+   accumulated attention mass (each unit's mass summed over the queries that saw it, summed
+   over its tokens for a group); the losers are dropped for good. Quantized units take whole
+   groups: the budget is ceil(heavy / g) groups.
+
+Everything stays in stream order; a kept token's position in the cache is its rank in that
+order, so attention sees the cache as one contiguous sequence (DESIGN.md "KV policies").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localctx.kvcache.policy import KVPolicy
+
+
+def quantizes(policy: KVPolicy) -> bool:
+    """Whether any token is ever held quantized under ``policy`` (rule 2)."""
+    if not policy.quantized:
+        return False
+    return policy.window is None or policy.window >= policy.residual + policy.group_size
+
+
+def heavy_units(policy: KVPolicy) -> int:
+    """The heavy-hitter budget in eviction units: tokens, or whole groups when quantized."""
+    if not policy.heavy:
+        return 0
+    if quantizes(policy):
+        return -(-policy.heavy // policy.group_size)
+    return policy.heavy
+
+
+@dataclass(frozen=True)
+class HeldCounts:
+    """What a cache holds after a stream of n tokens (the same count in every layer)."""
+    sink_tokens: int
+    full_tokens: int  # full-precision main-stream tokens (recent residual / window / heavy)
+    quant_groups: int  # quantized groups (window + heavy)
+    group_size: int
+    evicted_tokens: int
+
+    @property
+    def quant_tokens(self) -> int:
+        return self.quant_groups * self.group_size
+
+    @property
+    def tokens(self) -> int:
+        return self.sink_tokens + self.full_tokens + self.quant_tokens
+
+
+def held_counts(policy: KVPolicy, n_tokens: int) -> HeldCounts:
+    """The closed form of the rules above, for the cost model."""
+    n = max(0, n_tokens)
+    g = policy.group_size
+    sinks = min(n, policy.sinks)
+    m = n - sinks
+    W = policy.window
+    if quantizes(policy):
+        formed = max(0, m - policy.residual) // g
+        full = m - formed * g
+        first_in_window = 0 if W is None else max(0, m - W) // g
+        heavy = min(first_in_window, heavy_units(policy))
+        groups = formed - first_in_window + heavy
+        return HeldCounts(sinks, full, groups, g, m - full - groups * g)
+    window = m if W is None else min(m, W)
+    heavy = min(m - window, heavy_units(policy))
+    return HeldCounts(sinks, window + heavy, 0, g, m - window - heavy)
+
+
+def leaving(newest_main_index: torch.Tensor, m: int, window: int | None, is_sink: torch.Tensor) -> torch.Tensor:
+    """Bool mask of units outside the window (rule 3); sinks never leave."""
+    if window is None:
+        return torch.zeros_like(is_sink)
+    return (newest_main_index < m - window) & ~is_sink
+
+
+def keep_heaviest(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Bool mask keeping the ``budget`` largest scores (ties keep the newer unit)."""
+    keep = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+    if budget <= 0 or scores.numel() == 0:
+        return keep
+    order = torch.argsort(scores.flip(0), descending=True, stable=True)
+    chosen = scores.shape[0] - 1 - order[:budget]
+    keep[chosen] = True
+    return keep

@@ -1,0 +1,198 @@
+"""One layer of one sequence in a policy cache: full-precision tokens and quantized groups, each
+with its stream index and accumulated attention mass, kept in stream order (kvcache/eviction.py
+states the rules this applies).
+
+Storage grows by doubling (``Rows``); what the store *holds* — and reports in ``nbytes`` — is
+the filled rows only: K/V payload plus the fp16 scale/min of the quantized groups."""
+from __future__ import annotations
+
+import torch
+
+from localctx.kvcache import quant
+from localctx.kvcache.eviction import keep_heaviest, leaving
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.quant_attention import FullTokens, QuantGroups
+
+
+class Rows:
+    """A tensor that grows along its first axis; ``view`` is the filled part."""
+
+    def __init__(self, tail: tuple[int, ...], dtype: torch.dtype, device: str | torch.device):
+        self.buf = torch.empty((0, *tail), dtype=dtype, device=device)
+        self.n = 0
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self.buf[:self.n]
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.numel() * self.buf.element_size()
+
+    def append(self, x: torch.Tensor) -> None:
+        need = self.n + x.shape[0]
+        if need > self.buf.shape[0]:
+            grown = torch.empty((max(need, 2 * self.buf.shape[0], 16), *self.buf.shape[1:]),
+                                dtype=self.buf.dtype, device=self.buf.device)
+            grown[:self.n] = self.view
+            self.buf = grown
+        self.buf[self.n:need] = x.to(self.buf.dtype)
+        self.n = need
+
+    def keep(self, mask: torch.Tensor) -> None:
+        kept = self.view[mask]
+        self.buf[:kept.shape[0]] = kept
+        self.n = kept.shape[0]
+
+
+class LayerStore:
+    def __init__(self, policy: KVPolicy, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: str | torch.device, quantizes: bool, heavy_units: int, quantize_groups=None):
+        self.policy = policy
+        # (k, v [G, H, g, D], bits, g) -> stacked (keys, values); None: kvcache.quant per group
+        self.quantize_groups = quantize_groups
+        self.quantizes = quantizes
+        self.heavy_units = heavy_units
+        H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
+        self.full_k = Rows((H, D), dtype, device)  # [N, H, D] before RoPE
+        self.full_v = Rows((H, D), dtype, device)
+        self.full_idx = Rows((), torch.long, device)
+        self.full_mass = Rows((), torch.float32, device)
+        if quantizes:
+            packed = D * b // 8
+            self.qk_codes = Rows((H, g, packed), torch.uint8, device)
+            self.qk_scale = Rows((H, 1, D), quant.SCALE_DTYPE, device)
+            self.qk_min = Rows((H, 1, D), quant.SCALE_DTYPE, device)
+            self.qv_codes = Rows((H, g, packed), torch.uint8, device)
+            self.qv_scale = Rows((H, g, D // g), quant.SCALE_DTYPE, device)
+            self.qv_min = Rows((H, g, D // g), quant.SCALE_DTYPE, device)
+            self.q_idx = Rows((g,), torch.long, device)
+            self.q_mass = Rows((g,), torch.float32, device)
+
+    # -- what attention reads ------------------------------------------------------------
+    def _quant_rows(self) -> list[Rows]:
+        if not self.quantizes:
+            return []
+        return [self.qk_codes, self.qk_scale, self.qk_min, self.qv_codes, self.qv_scale, self.qv_min,
+                self.q_idx, self.q_mass]
+
+    @property
+    def n_groups(self) -> int:
+        return self.q_idx.n if self.quantizes else 0
+
+    @property
+    def n_tokens(self) -> int:
+        return self.full_idx.n + self.n_groups * self.policy.group_size
+
+    @property
+    def nbytes(self) -> int:
+        payload = [self.full_k, self.full_v]
+        if self.quantizes:
+            payload += [self.qk_codes, self.qk_scale, self.qk_min, self.qv_codes, self.qv_scale, self.qv_min]
+        return sum(r.nbytes for r in payload)
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """In-cache positions (rank in stream order) of the full tokens [N] and groups [G, g]."""
+        full_idx = self.full_idx.view
+        if not self.n_groups:
+            return torch.arange(full_idx.numel(), device=full_idx.device), None  # already in stream order
+        q_idx = self.q_idx.view
+        every = torch.cat([q_idx.reshape(-1), full_idx])
+        rank = torch.empty_like(every)
+        rank[torch.argsort(every)] = torch.arange(every.numel(), device=every.device)
+        return rank[q_idx.numel():], rank[:q_idx.numel()].reshape(q_idx.shape)
+
+    def attention_inputs(self, new_k: torch.Tensor, new_v: torch.Tensor
+                         ) -> tuple[FullTokens, QuantGroups | None, torch.Tensor]:
+        """The cached tokens plus the step's new ones (new_k/new_v: [T, H, D]); returns the
+        new tokens' positions too."""
+        full_pos, q_pos = self.positions()
+        T = new_k.shape[0]
+        start = self.n_tokens
+        new_pos = torch.arange(start, start + T, device=new_k.device)
+        full = FullTokens(torch.cat([self.full_k.view, new_k.to(self.full_k.buf.dtype)]).transpose(0, 1),
+                          torch.cat([self.full_v.view, new_v.to(self.full_v.buf.dtype)]).transpose(0, 1),
+                          torch.cat([full_pos, new_pos]))
+        groups = None
+        if self.n_groups:
+            groups = QuantGroups(
+                quant.QuantizedTensor(self.qk_codes.view, self.qk_scale.view, self.qk_min.view, self.policy.bits),
+                quant.QuantizedTensor(self.qv_codes.view, self.qv_scale.view, self.qv_min.view, self.policy.bits),
+                q_pos, self.policy.group_size)
+        return full, groups, new_pos
+
+    # -- after attention: append, age, evict ---------------------------------------------
+    def add_mass(self, full_mass: torch.Tensor | None, quant_mass: torch.Tensor | None) -> torch.Tensor | None:
+        """Accumulate the cached tokens' mass; returns the new tokens' share (None when untracked)."""
+        if full_mass is None:
+            return None
+        n_old = self.full_idx.n
+        self.full_mass.view.add_(full_mass[:n_old])
+        if quant_mass is not None:
+            self.q_mass.view.add_(quant_mass)
+        return full_mass[n_old:]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, first_index: int, mass: torch.Tensor | None) -> None:
+        T = k.shape[0]
+        self.full_k.append(k)
+        self.full_v.append(v)
+        self.full_idx.append(torch.arange(first_index, first_index + T, device=k.device))
+        self.full_mass.append(mass if mass is not None else torch.zeros(T, device=k.device))
+
+    def age(self, n_seen: int) -> None:
+        """Quantize every whole group that is older than the residual (rule 2)."""
+        if not self.quantizes:
+            return
+        p = self.policy
+        g, S = p.group_size, p.sinks
+        m = max(0, n_seen - S)
+        idx = self.full_idx.view
+        tail = idx >= S
+        n_tail = int(tail.sum())
+        first = int(idx[tail][0]) - S if n_tail else 0
+        n_groups = max(0, (m - p.residual - first) // g) if n_tail else 0
+        if n_groups == 0:
+            return
+        start = self.full_idx.n - n_tail  # sinks come first in stream order
+        take = slice(start, start + n_groups * g)
+        H, D = self.full_k.buf.shape[1:]
+        k = self.full_k.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
+        v = self.full_v.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
+        if self.quantize_groups is not None:  # one batched call (a fused kernel on CUDA)
+            qk, qv = self.quantize_groups(k, v, p.bits, g)
+        else:  # all the aged groups at once
+            qk = quant.quantize_keys(k, p.bits)
+            qv = quant.quantize_values(v, p.bits, g)
+        self.qk_codes.append(qk.codes); self.qk_scale.append(qk.scale); self.qk_min.append(qk.min)
+        self.qv_codes.append(qv.codes); self.qv_scale.append(qv.scale); self.qv_min.append(qv.min)
+        self.q_idx.append(self.full_idx.view[take].reshape(n_groups, g))
+        self.q_mass.append(self.full_mass.view[take].reshape(n_groups, g))
+        keep = torch.ones(self.full_idx.n, dtype=torch.bool, device=idx.device)
+        keep[take] = False
+        self.keep_full(keep)
+
+    def evict(self, n_seen: int) -> None:
+        """Drop units outside the window that are not among the heaviest (rules 3 and 4)."""
+        p = self.policy
+        if p.window is None:
+            return
+        S = p.sinks
+        m = max(0, n_seen - S)
+        idx = self.full_idx.view
+        out = leaving(idx - S, m, p.window, idx < S)
+        if bool(out.any()):
+            keep = ~out
+            keep[out] = keep_heaviest(self.full_mass.view[out], 0 if self.quantizes else self.heavy_units)
+            self.keep_full(keep)
+        if self.n_groups:
+            q_idx = self.q_idx.view
+            out = leaving(q_idx[:, -1] - S, m, p.window, torch.zeros_like(q_idx[:, -1], dtype=torch.bool))
+            if bool(out.any()):
+                keep = ~out
+                keep[out] = keep_heaviest(self.q_mass.view[out].sum(-1), self.heavy_units)
+                for rows in self._quant_rows():
+                    rows.keep(keep)
+
+    def keep_full(self, keep: torch.Tensor) -> None:
+        for rows in (self.full_k, self.full_v, self.full_idx, self.full_mass):
+            rows.keep(keep)

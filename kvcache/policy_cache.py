@@ -1,0 +1,204 @@
+"""The policy cache: quantized KV, sinks + window, heavy hitters — any combination — behind the
+same seam as the full-precision ``PagedKVCache``:
+
+    cache.begin_step(seq_ids, n_new)
+    out = cache.attend(layer_idx, q, k, v)   # q/k/v before RoPE, once per layer
+    cache.end_step()
+
+Keys are cached **before RoPE** and rotated at attention time at their positions *in the
+cache* (``kvcache/quant_attention.py``), so evicting a token re-indexes everything after it
+without touching stored (possibly quantized) keys. Which tokens are held, and which are
+quantized, follows ``kvcache/eviction.py``; after each layer's attention the new tokens are
+appended, groups older than the residual are quantized and units outside the window are
+evicted (heavy hitters kept by accumulated attention mass).
+
+``kv_bytes`` is what the tensors hold (K/V payload plus fp16 group scales and mins) and equals
+``cost.kv_bytes(spec, policy, n)`` for every sequence of n tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from localctx.kvcache import eviction
+from localctx.kvcache.block_pool import BlockPool, PoolExhausted
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.layer_store import LayerStore
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.quant_attention import attend_reference
+
+
+@dataclass(frozen=True)
+class PolicyCacheShape:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    capacity_tokens: int = 1 << 20  # tokens the pool admits over all sequences (held, not streamed)
+    block_size: int = 16
+
+
+@dataclass
+class _Sequence:
+    layers: list[LayerStore]
+    n_seen: int = 0  # tokens streamed through the cache (positions in the original stream)
+    pending: int = 0  # tokens of the current step
+    attended: set = field(default_factory=set)
+
+
+def check_policy_fits_shape(policy: KVPolicy, head_dim: int) -> None:
+    if policy.quantized and head_dim % policy.group_size:
+        raise UserError(f"KV policy {policy}: head dim {head_dim} is not a multiple of the group size "
+                        f"{policy.group_size}; use g32 or a full-precision KV cache")
+
+
+class PolicyKVCache:
+    def __init__(self, shape: PolicyCacheShape, policy: KVPolicy, rope, *, attention=attend_reference,
+                 quantize_groups=None):
+        check_policy_fits_shape(policy, shape.head_dim)
+        self.shape = shape
+        self.policy = policy
+        self.rope = rope
+        self.attention = attention  # same signature as attend_reference (a fused kernel may replace it)
+        self.quantize_groups = quantize_groups  # batched group quantizer (kernels_cuda.dispatch); None: per group
+        self.quantizes = eviction.quantizes(policy)
+        self.heavy_units = eviction.heavy_units(policy)
+        self.track_mass = bool(self.heavy_units) and policy.window is not None
+        self._seqs: dict[int, _Sequence] = {}
+        self._step: tuple[int, ...] | None = None
+        # One pool's bookkeeping for every sequence: blocks cover the tokens each one *holds*
+        # (quantized and full precision alike), so admission and PoolExhausted work as in the
+        # paged cache while a windowed sequence streams on in the same blocks.
+        self.pool = BlockPool(max(1, -(-shape.capacity_tokens // shape.block_size)), shape.block_size)
+
+    # -- sequences ---------------------------------------------------------------------------
+    def _new_layers(self) -> list[LayerStore]:
+        s = self.shape
+        return [LayerStore(self.policy, s.n_kv_heads, s.head_dim, s.dtype, s.device, self.quantizes,
+                           self.heavy_units, self.quantize_groups) for _ in range(s.n_layers)]
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} is already in the cache")
+        self.pool.admit(seq_id)
+        self._seqs[seq_id] = _Sequence(self._new_layers())
+
+    def can_admit(self, n_tokens: int) -> bool:
+        cap = self.policy.capacity()
+        held = n_tokens if cap is None else min(n_tokens, cap + self.policy.group_size)
+        return self.pool.can_fit(self.pool.blocks_for(held))
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def finish(self, seq_id: int) -> None:
+        if self._seqs.pop(seq_id, None) is None:
+            raise KeyError(f"sequence {seq_id} is not in the cache")
+        self.pool.finish(seq_id)
+
+    def reset(self) -> None:
+        self._seqs.clear()
+        self.pool.reset()
+
+    def length(self, seq_id: int) -> int:
+        """Tokens streamed through the sequence (held or evicted)."""
+        return self._seq(seq_id).n_seen
+
+    def can_truncate(self, seq_id: int, n_tokens: int) -> bool:
+        """Whether ``truncate(seq_id, n_tokens)`` can keep exactly the first ``n_tokens``: always
+        for 0 and for the whole sequence; otherwise only while nothing has been evicted and the
+        prefix holds the same quantized groups (a quantized or evicted token cannot be undone)."""
+        seq = self._seq(seq_id)
+        if n_tokens in (0, seq.n_seen):
+            return True
+        layer = seq.layers[0]
+        if not 0 < n_tokens < seq.n_seen or layer.n_tokens != seq.n_seen:
+            return False
+        return eviction.held_counts(self.policy, n_tokens).quant_groups == layer.n_groups
+
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` tokens (see ``can_truncate``)."""
+        seq = self._seq(seq_id)
+        if not self.can_truncate(seq_id, n_tokens):
+            raise ValueError(f"sequence {seq_id} of {seq.n_seen} tokens cannot be cut to {n_tokens} under KV "
+                             f"policy {self.policy}: start it again (truncate to 0)")
+        if n_tokens == 0:
+            self._seqs[seq_id] = _Sequence(self._new_layers())
+        elif n_tokens < seq.n_seen:
+            for layer in seq.layers:
+                layer.keep_full(layer.full_idx.view < n_tokens)
+            seq.n_seen = n_tokens
+        self._sync_pool(seq_id)
+
+    # -- accounting ----------------------------------------------------------------------------
+    def kv_bytes(self, seq_id: int | None = None) -> int:
+        return sum(layer.nbytes for s in self._ids(seq_id) for layer in self._seqs[s].layers)
+
+    def kv_tokens(self, seq_id: int | None = None) -> int:
+        return sum(self._seqs[s].layers[0].n_tokens for s in self._ids(seq_id))
+
+    def evicted_tokens(self, seq_id: int | None = None) -> int:
+        return sum(self._seqs[s].n_seen - self._seqs[s].layers[0].n_tokens for s in self._ids(seq_id))
+
+    # -- the forward seam ----------------------------------------------------------------------
+    def begin_step(self, seq_ids: Sequence[int], n_new: int | Sequence[int]) -> None:
+        counts = [n_new] * len(seq_ids) if isinstance(n_new, int) else list(n_new)
+        if len(counts) != len(seq_ids) or not counts or len(set(counts)) != 1 or counts[0] < 1:
+            raise ValueError(f"every sequence in a step must add the same positive number of tokens, got {counts}")
+        pool = self.pool
+        need = sum(pool.blocks_for(self._seq(s).layers[0].n_tokens + counts[0]) - len(pool.block_table(s))
+                   for s in seq_ids)
+        if not pool.can_fit(need):
+            raise PoolExhausted(f"the KV pool is full ({pool.n_blocks} blocks of {pool.block_size} tokens, "
+                                f"{pool.free_blocks} free, {need} needed); give a larger --context or a smaller batch")
+        for s in seq_ids:
+            seq = self._seq(s)
+            seq.pending, seq.attended = counts[0], set()
+        self._step = tuple(seq_ids)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._step is None:
+            raise RuntimeError("attend() called outside a step: call begin_step(seq_ids, n_new) first")
+        B, T = q.shape[:2]
+        if B != len(self._step) or T != self._seqs[self._step[0]].pending:
+            raise ValueError(f"attend got [B={B}, T={T}] but the step has {len(self._step)} sequences "
+                             f"of {self._seqs[self._step[0]].pending} new tokens")
+        outs = []
+        for b, seq_id in enumerate(self._step):
+            seq = self._seqs[seq_id]
+            layer = seq.layers[layer_idx]
+            full, groups, q_pos = layer.attention_inputs(k[b], v[b])
+            res = self.attention(q[b], q_pos, full, groups, self.rope, want_mass=self.track_mass)
+            outs.append(res.out)
+            new_mass = layer.add_mass(res.full_mass, res.quant_mass)
+            layer.append(k[b], v[b], seq.n_seen, new_mass)
+            seen = seq.n_seen + T
+            layer.age(seen)
+            layer.evict(seen)
+            seq.attended.add(layer_idx)
+            if len(seq.attended) == self.shape.n_layers:
+                seq.n_seen, seq.pending, seq.attended = seen, 0, set()
+                self._sync_pool(seq_id)
+        return torch.stack(outs)
+
+    def end_step(self) -> None:
+        self._step = None
+
+    # -- internals -----------------------------------------------------------------------------
+    def _seq(self, seq_id: int) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id} is not in the cache")
+        return seq
+
+    def _sync_pool(self, seq_id: int) -> None:
+        held, have = self._seqs[seq_id].layers[0].n_tokens, self.pool.length(seq_id)
+        if held > have:
+            self.pool.grow(seq_id, held - have)
+        else:
+            self.pool.truncate(seq_id, held)
+
+    def _ids(self, seq_id: int | None) -> list[int]:
+        return list(self._seqs) if seq_id is None else [seq_id]

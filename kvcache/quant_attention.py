@@ -1,0 +1,106 @@
+"""Attention over a policy cache's full-precision and quantized tokens: the pure-torch reference.
+
+The fused kernels (kernels_cuda/, kernels_metal/) replace ``attend_reference`` behind the same
+signature and must return the same result (the tests compare kernel to this function).
+
+One call covers one layer of one sequence. Its inputs:
+
+- ``q``: [T, n_heads, D] queries of the T new tokens, **before RoPE**; ``q_positions``: [T]
+  their in-cache positions (long).
+- ``full``: the full-precision tokens (sinks, the recent residual, the new tokens themselves,
+  and any full-precision heavy hitters): ``k``, ``v`` [n_kv_heads, N, D] keys **before RoPE**,
+  ``positions`` [N] in-cache positions.
+- ``quant``: the quantized groups (or None), ``G`` groups of ``g`` tokens, layout of
+  ``kvcache/quant.py``: keys ``k.codes`` uint8 [G, Hkv, g, D*bits/8], ``k.scale``/``k.min``
+  fp16 [G, Hkv, 1, D] (per channel over the group's tokens); values ``v.codes`` uint8
+  [G, Hkv, g, D*bits/8], ``v.scale``/``v.min`` fp16 [G, Hkv, g, D/g] (per token over g
+  channels); ``positions`` [G, g] in-cache positions. 4-bit codes: two per byte, even channel
+  in the low nibble.
+- ``rope``: the model's rotary embedding (``rotate(x [B,T,H,D], positions [B,T])``). Every key
+  is rotated at its in-cache position here, every query at its own: positions are re-indexed
+  inside the cache, so eviction never touches stored keys.
+
+A key is visible to a query iff its position ≤ the query's position (causal in cache order).
+Grouped-query attention: query head h reads KV head h // (n_heads / n_kv_heads).
+
+With ``want_mass`` the result also carries each key's attention mass (softmax probabilities
+summed over the T queries and all query heads), which heavy-hitter eviction accumulates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from localctx.kvcache.quant import QuantizedTensor, dequantize_keys, dequantize_values
+
+
+@dataclass(frozen=True)
+class FullTokens:
+    k: torch.Tensor  # [Hkv, N, D] before RoPE
+    v: torch.Tensor  # [Hkv, N, D]
+    positions: torch.Tensor  # [N] long
+
+
+@dataclass(frozen=True)
+class QuantGroups:
+    k: QuantizedTensor  # codes [G, Hkv, g, D*bits/8], scale/min [G, Hkv, 1, D]
+    v: QuantizedTensor  # codes [G, Hkv, g, D*bits/8], scale/min [G, Hkv, g, D/g]
+    positions: torch.Tensor  # [G, g] long
+    group_size: int
+
+    @property
+    def n_groups(self) -> int:
+        return self.positions.shape[0]
+
+
+@dataclass(frozen=True)
+class AttentionResult:
+    out: torch.Tensor  # [T, n_heads, D]
+    full_mass: torch.Tensor | None = None  # [N] float32
+    quant_mass: torch.Tensor | None = None  # [G, g] float32
+
+
+def _rotate(rope, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x: [H, L, D] at positions [L] → rotated [H, L, D]."""
+    return rope.rotate(x.transpose(0, 1).unsqueeze(0), positions.unsqueeze(0))[0].transpose(0, 1)
+
+
+def gather_keys_values(full: FullTokens, quant: QuantGroups | None, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All keys and values in full precision ([Hkv, L, D], quantized groups first) and their positions [L]."""
+    if quant is None or quant.n_groups == 0:
+        return full.k.to(dtype), full.v.to(dtype), full.positions
+    G, H, g = quant.positions.shape[0], full.k.shape[0], quant.group_size
+    D = full.k.shape[-1]
+    kq = dequantize_keys(quant.k, dtype).permute(1, 0, 2, 3).reshape(H, G * g, D)
+    vq = dequantize_values(quant.v, g, dtype).permute(1, 0, 2, 3).reshape(H, G * g, D)
+    k = torch.cat([kq, full.k.to(dtype)], dim=1)
+    v = torch.cat([vq, full.v.to(dtype)], dim=1)
+    return k, v, torch.cat([quant.positions.reshape(-1), full.positions])
+
+
+def attend_reference(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: QuantGroups | None,
+                     rope, *, scale: float | None = None, want_mass: bool = False) -> AttentionResult:
+    T, Hq, D = q.shape
+    k, v, k_pos = gather_keys_values(full, quant, q.dtype)
+    Hkv = k.shape[0]
+    qr = _rotate(rope, q.transpose(0, 1), q_positions)  # [Hq, T, D]
+    kr = _rotate(rope, k, k_pos)  # [Hkv, L, D]
+    visible = k_pos[None, :] <= q_positions[:, None]  # [T, L]
+    scale = scale if scale is not None else D ** -0.5
+    if not want_mass:
+        out = F.scaled_dot_product_attention(qr.unsqueeze(0), kr.unsqueeze(0), v.unsqueeze(0),
+                                             attn_mask=visible, scale=scale, enable_gqa=Hq != Hkv)[0]
+        return AttentionResult(out.transpose(0, 1))
+    rep = Hq // Hkv
+    kf = kr.float().repeat_interleave(rep, dim=0)
+    vf = v.float().repeat_interleave(rep, dim=0)
+    scores = torch.einsum("htd,hld->htl", qr.float(), kf) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = torch.einsum("htl,hld->htd", probs, vf).to(q.dtype).transpose(0, 1)
+    mass = probs.sum(dim=(0, 1))  # [L]
+    n_quant = 0 if quant is None else quant.positions.numel()
+    quant_mass = mass[:n_quant].reshape(quant.positions.shape) if n_quant else None
+    return AttentionResult(out, mass[n_quant:], quant_mass)

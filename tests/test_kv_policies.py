@@ -1,0 +1,179 @@
+"""Every KV policy combination on the policy cache: batches, chunked prefill then decode, bytes equal
+to the cost model at every step, the held tokens the eviction rules name, positions re-indexed."""
+import itertools
+
+import pytest
+import torch
+
+from localctx.backends.torch.rope import Rope
+from localctx.kvcache import cost
+from localctx.kvcache.attention import dense_attention
+from localctx.kvcache.block_pool import PoolExhausted
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.paged import CacheShape, PagedKVCache
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy_cache import PolicyCacheShape, PolicyKVCache
+from localctx.kvcache.spec import ModelSpec
+
+L, H, HKV, D = 2, 4, 2, 64
+SPEC = ModelSpec("tiny", "llama", n_layers=L, n_heads=H, n_kv_heads=HKV, head_dim=D, hidden_size=H * D,
+                 vocab_size=64, context_length=128, kv_elem_bytes=4)
+ROPE = Rope(D, 10000.0)
+SHAPE = PolicyCacheShape(L, HKV, D, torch.float32)
+
+PRECISIONS = ["fp16", "int8", "int4", "int8+res16", "int4+g64+res40"]
+EVICTIONS = ["", "+win96", "+sink4+win96", "+win40", "+sink4+win96+heavy40", "+win96+heavy8", "+sink2+win40+heavy5"]
+MATRIX = [p + e for p, e in itertools.product(PRECISIONS, EVICTIONS)]
+STEPS = [37, 40, 30] + [1] * 8 + [64, 5] + [1] * 6  # chunked prefill, decode, another chunk, decode
+
+
+def stream(cache, seqs, steps, seed=0):
+    """Drive the cache like a model: random q/k/v per layer per step. Yields after each step."""
+    gen = torch.Generator().manual_seed(seed)
+    for s in seqs:
+        cache.add_sequence(s)
+    for T in steps:
+        cache.begin_step(seqs, T)
+        outs = []
+        for layer in range(L):
+            q = torch.randn(len(seqs), T, H, D, generator=gen)
+            k = torch.randn(len(seqs), T, HKV, D, generator=gen)
+            v = torch.randn(len(seqs), T, HKV, D, generator=gen)
+            outs.append(cache.attend(layer, q, k, v))
+        cache.end_step()
+        yield T, outs
+
+
+@pytest.mark.parametrize("text", MATRIX)
+def test_every_combination_streams_with_exact_bytes_and_held_tokens(text):
+    policy = KVPolicy.parse(text)
+    cache = PolicyKVCache(SHAPE, policy, ROPE)
+    n = 0
+    for T, outs in stream(cache, [0, 1], STEPS):
+        n += T
+        assert all(o.shape == (2, T, H, D) and torch.isfinite(o).all() for o in outs)
+        for s in (0, 1):
+            assert cache.length(s) == n
+            assert cache.kv_bytes(s) == cost.kv_bytes(SPEC, policy, n), f"bytes differ at {n} tokens"
+            assert cache.kv_tokens(s) == cost.held_tokens(policy, n)
+            assert cache.evicted_tokens(s) == n - cost.held_tokens(policy, n)
+        for layer in cache._seqs[0].layers:
+            full_pos, q_pos = layer.positions()
+            every = torch.cat([full_pos] + ([q_pos.reshape(-1)] if q_pos is not None else []))
+            assert torch.equal(every.sort().values, torch.arange(layer.n_tokens)), "positions are not re-indexed"
+            idx = torch.cat([layer.full_idx.view] + ([layer.q_idx.view.reshape(-1)] if layer.n_groups else []))
+            assert set(range(min(n, policy.sinks))) <= set(idx.tolist()), "a sink was evicted"
+            newest = min(n - policy.sinks, policy.window or n)
+            assert set(range(n - newest, n)) <= set(idx.tolist()), "a token inside the window was evicted"
+    assert cache.kv_bytes() == 2 * cost.kv_bytes(SPEC, policy, n)
+    assert cache.pool.length(0) == cost.held_tokens(policy, n)  # the pool's blocks cover what is held
+    cache.finish(0)
+    cache.finish(1)
+    assert cache.pool.free_blocks == cache.pool.n_blocks
+
+
+def test_full_precision_unbounded_policy_cache_equals_the_paged_cache():
+    paged = PagedKVCache(CacheShape(L, HKV, D, n_blocks=64, block_size=16), ROPE)
+    policy = PolicyKVCache(SHAPE, KVPolicy(), ROPE)
+    for (_, a), (_, b) in zip(stream(paged, [0, 1], STEPS[:8]), stream(policy, [0, 1], STEPS[:8])):
+        for x, y in zip(a, b):
+            assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_sinks_and_window_attend_over_exactly_the_kept_tokens_at_reindexed_positions():
+    """A reference built from scratch: keep the whole history, pick sinks + the last W tokens
+    before each step, rotate them at their ranks and run dense attention."""
+    S, W = 3, 20
+    cache = PolicyKVCache(SHAPE, KVPolicy.parse(f"fp16+sink{S}+win{W}"), ROPE)
+    cache.add_sequence(0)
+    gen = torch.Generator().manual_seed(5)
+    hist_k, hist_v = [[] for _ in range(L)], [[] for _ in range(L)]
+    n = 0
+    for T in [10, 15, 1, 1, 7, 1, 30, 1]:
+        cache.begin_step([0], T)
+        kept = list(range(min(n, S))) + [i for i in range(max(S, n - W), n)]
+        for layer in range(L):
+            q, k, v = (torch.randn(1, T, h, D, generator=gen) for h in (H, HKV, HKV))
+            out = cache.attend(layer, q, k, v)
+            hist_k[layer].append(k[0]); hist_v[layer].append(v[0])
+            allk, allv = torch.cat(hist_k[layer]), torch.cat(hist_v[layer])
+            sel = torch.tensor(kept + list(range(n, n + T)))
+            pos = torch.arange(len(sel))[None]
+            kr = ROPE.rotate(allk[sel][None], pos)
+            qr = ROPE.rotate(q, pos[:, len(kept):])
+            ref = dense_attention(qr, kr, allv[sel][None], pos[:, len(kept):])
+            assert torch.allclose(out, ref, atol=1e-5)
+        n += T
+
+
+@pytest.mark.parametrize("bits,tol", [(8, 0.03), (4, 0.3)])
+def test_quantized_cache_tracks_the_full_precision_cache(bits, tol):
+    exact = PolicyKVCache(SHAPE, KVPolicy(), ROPE)
+    lossy = PolicyKVCache(SHAPE, KVPolicy(bits=bits), ROPE)
+    worst = 0.0
+    for (_, a), (_, b) in zip(stream(exact, [0], STEPS[:12]), stream(lossy, [0], STEPS[:12])):
+        worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(a, b)))
+    assert 0 < worst < tol
+    assert lossy.kv_bytes(0) < exact.kv_bytes(0) * (0.4 if bits == 8 else 0.3)
+
+
+@pytest.mark.parametrize("text", ["fp16+sink1+win8+heavy2", "int8+sink1+win64+heavy32"])
+def test_heavy_hitters_keep_the_tokens_attention_keeps_returning_to(text):
+    policy = KVPolicy.parse(text)
+    cache = PolicyKVCache(SHAPE, policy, ROPE)
+    cache.add_sequence(0)
+    gen = torch.Generator().manual_seed(7)
+    magnet = 5  # every query attends to this token's key
+    direction = torch.zeros(D)
+    direction[:] = 1.0
+    n = 0
+    for T in [20] + [1] * 100:
+        cache.begin_step([0], T)
+        for layer in range(L):
+            q = torch.randn(1, T, H, D, generator=gen) * 0.1
+            k = torch.randn(1, T, HKV, D, generator=gen) * 0.1
+            q[..., 0] = 30.0  # channel 0 is untouched by RoPE at position 0 only; use the magnet's own rotation
+            if n <= magnet < n + T:
+                k[0, magnet - n] = 30.0
+            v = torch.randn(1, T, HKV, D, generator=gen)
+            cache.attend(layer, q, k, v)
+        n += T
+    for layer in cache._seqs[0].layers:
+        held = set(layer.full_idx.view.tolist())
+        if layer.n_groups:
+            held |= set(layer.q_idx.view.reshape(-1).tolist())
+        assert magnet in held, "the heavy hitter was evicted"
+    assert cache.kv_bytes(0) == cost.kv_bytes(SPEC, policy, n)
+
+
+def test_a_head_dim_that_is_not_a_multiple_of_the_group_is_refused_up_front():
+    with pytest.raises(UserError, match="g32"):
+        PolicyKVCache(PolicyCacheShape(L, HKV, 48), KVPolicy.parse("int4+g64"), Rope(48, 10000.0))
+
+
+def test_truncate_keeps_a_prefix_only_while_nothing_was_evicted_or_quantized_away():
+    cache = PolicyKVCache(SHAPE, KVPolicy.parse("int8+res64"), ROPE)
+    list(stream(cache, [0], [20, 1, 1]))
+    assert cache.can_truncate(0, 22) and cache.can_truncate(0, 10)
+    cache.truncate(0, 10)
+    assert cache.length(0) == 10 and cache.kv_tokens(0) == 10
+    assert cache.kv_bytes(0) == cost.kv_bytes(SPEC, cache.policy, 10)
+    list(stream(cache, [1], [200]))  # 4 groups quantized
+    assert cache.can_truncate(1, 200) and cache.can_truncate(1, 64 + 128) and not cache.can_truncate(1, 150)
+    with pytest.raises(ValueError, match="truncate to 0"):
+        cache.truncate(1, 150)
+    cache.truncate(1, 0)
+    assert cache.kv_bytes(1) == 0 and cache.length(1) == 0
+    windowed = PolicyKVCache(SHAPE, KVPolicy.parse("fp16+win16"), ROPE)
+    list(stream(windowed, [0], [30]))
+    assert windowed.can_truncate(0, 30) and not windowed.can_truncate(0, 20)
+
+
+def test_a_full_pool_is_refused_before_the_step_and_a_window_streams_on_in_the_same_blocks():
+    small = PolicyCacheShape(L, HKV, D, torch.float32, capacity_tokens=96, block_size=16)
+    bounded = PolicyKVCache(small, KVPolicy.parse("int8+sink4+win40"), ROPE)
+    list(stream(bounded, [0], [30] + [1] * 170))  # 200 tokens through 96 tokens of blocks
+    assert bounded.pool.used_blocks == -(-cost.held_tokens(bounded.policy, 200) // 16)
+    unbounded = PolicyKVCache(small, KVPolicy.parse("int8"), ROPE)
+    with pytest.raises(PoolExhausted, match="pool is full"):
+        list(stream(unbounded, [0], [30, 30, 30, 30]))
