@@ -1,0 +1,45 @@
+"""The planner's decision table for docs/planner.md: named machines × known models × contexts.
+
+    PYTHONPATH=.dev python benchmarks/planner_table.py > /tmp/table.md
+
+Each row is what `localctx plan -m MODEL --hardware H --context N` decides, with the backend that
+machine would run (Apple → mlx, NVIDIA → torch, CPU → llama.cpp) and that backend's capabilities in
+this build."""
+from __future__ import annotations
+
+from localctx.backends.planning import decision_rows
+from localctx.kvcache.cost import format_bytes
+
+
+def short_reason(row) -> str:
+    if row.plan is None:
+        if not row.rejected:  # the weights alone do not fit
+            return "weights " + row.refusal.split(": weights ", 1)[-1].split(";")[0]
+        seen = []
+        for r in row.rejected:  # the distinct reasons, most exact candidate first
+            text = r.reason.split(";")[0]
+            if text not in seen:
+                seen.append(text)
+        return "; ".join(f"{text}" for text in seen[:3])
+    why = next(r for r in row.plan.reasons if r.startswith(("exact", "lossy", "8-bit", "4-bit")))
+    return why.replace("lossy: ", "").replace("exact: ", "")
+
+
+def main() -> None:
+    rows = decision_rows()
+    print("| hardware | model | context | backend | policy | KV peak / KV budget | decode tok/s | why |")
+    print("|---|---|---:|---|---|---|---:|---|")
+    for r in rows:
+        budget = format_bytes(max(r.budget_kv, 0))
+        if r.plan is None:
+            print(f"| {r.profile} | {r.spec.name} | {r.context:,} | | **refused** | — / {budget} | | "
+                  f"{short_reason(r)} |")
+            continue
+        p = r.plan
+        print(f"| {r.profile} | {r.spec.name} | {r.context:,} | {p.backend} | `{p.policy}` "
+              f"({'exact' if p.exact else 'lossy'}) | {format_bytes(p.kv_bytes)} / {budget} | "
+              f"{p.decode_tok_s:.1f} | {short_reason(r)} |")
+
+
+if __name__ == "__main__":
+    main()
