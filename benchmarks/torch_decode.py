@@ -18,7 +18,7 @@ import time
 import torch
 
 from localctx.backends.modelref import resolve
-from localctx.backends.torch.backend import DTYPES, TorchOptions, build_session, load_model
+from localctx.backends.torch.loading import DTYPES, TorchOptions, build_session, load_model
 from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from localctx.kvcache.policy import KVPolicy
 
 
@@ -85,21 +83,3 @@ def held_counts(policy: KVPolicy, n_tokens: int) -> HeldCounts:
     window = m if W is None else min(m, W)
     heavy = min(m - window, heavy_units(policy))
     return HeldCounts(sinks, window + heavy, 0, g, m - window - heavy)
-
-
-def leaving(newest_main_index: torch.Tensor, m: int, window: int | None, is_sink: torch.Tensor) -> torch.Tensor:
-    """Bool mask of units outside the window (rule 3); sinks never leave."""
-    if window is None:
-        return torch.zeros_like(is_sink)
-    return (newest_main_index < m - window) & ~is_sink
-
-
-def keep_heaviest(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """Bool mask keeping the ``budget`` largest scores (ties keep the newer unit)."""
-    keep = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-    if budget <= 0 or scores.numel() == 0:
-        return keep
-    order = torch.argsort(scores.flip(0), descending=True, stable=True)
-    chosen = scores.shape[0] - 1 - order[:budget]
-    keep[chosen] = True
-    return keep

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from localctx.kvcache import quant
-from localctx.kvcache.eviction import keep_heaviest, leaving
+from localctx.kvcache.eviction_masks import keep_heaviest, leaving
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quant_attention import FullTokens, QuantGroups
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from localctx.backends.modelref import ModelRef
-from localctx.backends.torch.backend import TorchOptions, build_session, load_model
+from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.kernels_cuda import dispatch
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy

@@ -23,7 +23,7 @@ CASES = [("fp16", SHORT), ("int8", SHORT), ("int4+res16", SHORT), ("fp16+sink4+w
 
 @pytest.fixture(scope="module")
 def models():
-    from localctx.backends.torch.backend import TorchOptions, load_model
+    from localctx.backends.torch.loading import TorchOptions, load_model
     path = bundled_default_path()
     mlx_loaded, meta = load_gguf(path)
     torch_loaded = load_model(resolve(None), TorchOptions(device="cpu", dtype=torch.float32))

@@ -7,7 +7,7 @@ import torch
 
 from localctx.backends.base import GenerationParams
 from localctx.backends.modelref import ModelRef
-from localctx.backends.torch.backend import TorchOptions, build_session, load_model
+from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from torch_tiny_models import TinyConfig, tiny_weights, write_gguf

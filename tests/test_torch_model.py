@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from localctx.backends.modelref import ModelRef
-from localctx.backends.torch.backend import TorchOptions, build_session, load_model
+from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.backends.torch.rope import RopeScaling, inverse_frequencies
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from localctx.backends.modelref import resolve
-from localctx.backends.torch.backend import TorchOptions, build_session, load_model
+from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 

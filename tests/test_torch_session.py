@@ -12,7 +12,7 @@ import torch
 from localctx.app import cli
 from localctx.backends.base import GenerationParams
 from localctx.backends.modelref import ModelRef
-from localctx.backends.torch.backend import TorchOptions, build_session, load_model
+from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan

@@ -77,7 +77,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.no_baseline and not policies:
         raise UserError("--no-baseline with no --kv leaves nothing to measure; give --kv POLICY")
     ppl, needle = tasks_from(args)
-    from localctx.backends.torch.backend import TorchOptions, load_model
+    from localctx.backends.torch.loading import TorchOptions, load_model
     from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
 
     ref, _ = resolve_model(SessionRequest(model=args.model, backend="torch"))

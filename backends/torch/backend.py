@@ -1,121 +1,14 @@
-"""TorchBackend: loads a GGUF or an HF folder into localctx's own Llama-family model with a paged
-KV cache. Runs on CUDA (fp16/bf16) and on CPU (fp32/bf16; CPU is for tests and small models).
-
-Settings beyond the plan come from the environment (the registry builds backends without
-arguments): LOCALCTX_TORCH_DEVICE (cuda | cpu), LOCALCTX_TORCH_DTYPE (fp32 | bf16 | fp16),
-LOCALCTX_TORCH_WEIGHTS (dense | int8; int8 = weight-only int8 on CPU), LOCALCTX_TORCH_THREADS (CPU
-threads; on a shared, busy CPU one thread can be much faster than two that wait on each other)."""
+"""TorchBackend: localctx's own Llama-family model in torch with a paged KV cache (CUDA fp16/bf16;
+CPU fp32/bf16 for tests and small models). This module imports no torch, so the planner can ask
+its capabilities on a machine without torch; loading lives in loading.py."""
 from __future__ import annotations
 
-import dataclasses
-import os
-from dataclasses import dataclass
-
-import torch
+import importlib.util
 
 from localctx.backends.base import Backend, Capabilities
-from localctx.backends.model_spec import hf_spec
 from localctx.backends.modelref import ModelRef
-from localctx.backends.torch.engine import Engine, EngineOptions
-from localctx.backends.torch.gguf_loader import load_gguf, spec_from
-from localctx.backends.torch.hf_loader import load_hf
-from localctx.backends.torch.linear import WEIGHT_FORMATS
-from localctx.backends.torch.model import LlamaModel
-from localctx.backends.torch.session import TorchSession
-from localctx.backends.torch.tokenizer import TextTokenizer, from_gguf, from_hf_folder
-from localctx.kernels_cuda import dispatch
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.factory import CacheKernels, CacheRequest, make_kv_cache
-from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.spec import ModelSpec
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
-ALLOWED = {"cpu": {torch.float32, torch.bfloat16}, "cuda": {torch.float16, torch.bfloat16}}
-
-
-@dataclass(frozen=True)
-class TorchOptions:
-    device: str
-    dtype: torch.dtype
-    weights: str = "dense"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    pool_tokens: int | None = None  # KV pool size; default: the plan's context
-    prefill_chunk: int = EngineOptions.prefill_chunk
-    threads: int | None = None  # CPU threads for torch (process-wide); None = torch's default
-
-    @classmethod
-    def from_env(cls, **overrides) -> "TorchOptions":
-        device = os.environ.get("LOCALCTX_TORCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device not in ALLOWED:
-            raise UserError(f"LOCALCTX_TORCH_DEVICE={device!r}: choose cuda or cpu")
-        name = os.environ.get("LOCALCTX_TORCH_DTYPE") or ("bf16" if device == "cuda" else "fp32")
-        if name not in DTYPES:
-            raise UserError(f"LOCALCTX_TORCH_DTYPE={name!r}: choose fp32, bf16 or fp16")
-        weights = os.environ.get("LOCALCTX_TORCH_WEIGHTS", "dense")
-        if weights not in WEIGHT_FORMATS:
-            raise UserError(f"LOCALCTX_TORCH_WEIGHTS={weights!r}: choose {' or '.join(WEIGHT_FORMATS)}")
-        threads = os.environ.get("LOCALCTX_TORCH_THREADS")
-        if threads is not None and not (threads.isdigit() and int(threads) > 0):
-            raise UserError(f"LOCALCTX_TORCH_THREADS={threads!r}: give a positive number of threads")
-        opts = cls(device=device, dtype=DTYPES[name], weights=weights, threads=int(threads) if threads else None)
-        return dataclasses.replace(opts, **overrides).checked()
-
-    def checked(self) -> "TorchOptions":
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise UserError("the torch backend was asked for CUDA but torch sees no GPU; set LOCALCTX_TORCH_DEVICE=cpu")
-        if self.dtype not in ALLOWED[self.device]:
-            allowed = ", ".join(sorted(str(d).replace("torch.", "") for d in ALLOWED[self.device]))
-            raise UserError(f"the torch backend runs {allowed} on {self.device}, not {self.dtype}")
-        return self
-
-
-@dataclass
-class LoadedModel:
-    model: LlamaModel
-    tokenizer: TextTokenizer
-    spec: ModelSpec
-
-
-def load_model(ref: ModelRef, options: TorchOptions) -> LoadedModel:
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    # int8 weights are quantized from float32; dense ones are converted to their dtype as they load
-    load_dtype = torch.float32 if options.weights == "int8" else options.dtype
-    if ref.kind == "gguf":
-        config, tensors, freq_factors, reader = load_gguf(ref.path, load_dtype)
-        tokenizer = from_gguf(reader, ref.path.name)
-        spec = spec_from(reader, config, ref.name)
-    elif ref.kind == "hf":
-        config, tensors = load_hf(ref.path, load_dtype)
-        freq_factors = None
-        tokenizer = from_hf_folder(ref.path)
-        spec = hf_spec(ref.path, ref.name)
-    else:
-        raise UserError(f"the torch backend loads GGUF files and HF folders, not {ref.kind!r} models")
-    model = LlamaModel(config, tensors, dtype=options.dtype, device=options.device, weights=options.weights,
-                       freq_factors=freq_factors)
-    return LoadedModel(model, tokenizer, spec)
-
-
-def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> TorchSession:
-    c = loaded.model.config
-    policy = plan.policy
-    tokens = options.pool_tokens or plan.context
-    if policy.capacity() is not None:  # a windowed cache holds up to its capacity, plus a group and a chunk
-        tokens = max(tokens, policy.capacity() + policy.group_size + options.prefill_chunk)
-    req = CacheRequest(c.n_layers, c.n_kv_heads, c.head_dim, capacity_tokens=tokens, dtype=options.dtype,
-                       device=options.device, block_size=options.block_size)
-    kernels = CacheKernels(paged_attention=dispatch.paged_attention(options.device),
-                           policy_attention=dispatch.policy_attention(options.device),
-                           quantize_groups=dispatch.quantize_groups(options.device)
-                           if dispatch.uses_kernels(options.device) else None)
-    cache = make_kv_cache(policy, req, loaded.model.make_rope(), kernels)  # paged full precision, or the policy cache
-    engine = Engine(loaded.model, cache, EngineOptions(prefill_chunk=options.prefill_chunk))
-    elem_bytes = torch.empty((), dtype=options.dtype).element_size()
-    spec = dataclasses.replace(loaded.spec, kv_elem_bytes=elem_bytes, weight_bytes=loaded.model.weight_bytes())
-    return TorchSession(engine, loaded.tokenizer, spec, plan)
 
 
 class TorchBackend(Backend):
@@ -124,7 +17,14 @@ class TorchBackend(Backend):
     def __init__(self, options: TorchOptions | None = None):
         self._options = options
 
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed: pip install 'localctx[torch]' (CPU build first on Linux: pip install torch==2.13.0)"
+        return None
+
     def options(self) -> TorchOptions:
+        from localctx.backends.torch.loading import TorchOptions
+
         return self._options or TorchOptions.from_env()
 
     def capabilities(self) -> Capabilities:
@@ -133,6 +33,8 @@ class TorchBackend(Backend):
                                    "heavy hitters); the model's own graph in torch",))
 
     def load(self, model: ModelRef, plan: Plan) -> TorchSession:
+        from localctx.backends.torch.loading import build_session, load_model
+
         refusals = self.refusals(plan.policy)
         if refusals:
             raise UserError(f"the torch backend cannot run KV policy {plan.policy}: {'; '.join(refusals)}")

@@ -1,0 +1,118 @@
+"""``--backend mlx``: Apple Silicon through MLX (Linux CPU runs it too, slowly, for tests).
+
+The model graph is localctx's own (model.py); the KV cache is localctx's (cache.py), so every
+policy combination runs, including rotating + quantized, which mlx-lm refuses."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
+                                    StatsClock, check_prompt_fits)
+from localctx.backends.mlx.cache import CacheShape, ModelCache
+from localctx.backends.mlx.loading import LoadedModel, LoadOptions, load_folder, load_gguf
+from localctx.backends.mlx.sampling import Sampler
+from localctx.backends.mlx.tokenizer import Tokenizer, folder_tokenizer, gguf_tokenizer
+from localctx.backends.model_spec import read_spec
+from localctx.backends.streaming import KVProbe, stream
+from localctx.kernels_metal.decode_attention import KERNEL_AVAILABLE as DECODE_KERNEL
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """``prefill_chunk``: prompt tokens per forward pass. Queries in a chunk see the chunk's own
+    tokens at full precision and nothing is evicted mid-chunk; 1 streams every token through the
+    policy exactly as decoding does (what quality evaluation wants)."""
+    prefill_chunk: int = 256
+    load: LoadOptions = LoadOptions()
+
+
+class MLXSession(Session):
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, spec: ModelSpec, plan: Plan,
+                 options: SessionOptions = SessionOptions()):
+        self.spec, self.plan, self.backend_name = spec, plan, "mlx"
+        self.model, self.tokenizer, self.options = loaded.model, tokenizer, options
+        a = loaded.model.args
+        shape = CacheShape(a.n_kv_heads, a.head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32,
+                           a.traditional_rope)
+        self.cache = ModelCache(plan.policy, a.n_layers, shape, loaded.inv_freq)
+        self.fed: list[int] = []
+        self.last_logits: np.ndarray | None = None
+
+    # -- prompt handling ---------------------------------------------------------------
+    def render(self, prompt: Prompt) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.template.render(prompt)
+
+    def count_tokens(self, prompt: Prompt) -> int:
+        return len(self.tokenizer.encode(self.render(prompt)))
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.fed, self.last_logits = [], None
+
+    def close(self) -> None:
+        self.reset()
+        self.model = None
+
+    def feed(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` through the model and cache; logits of the last token (or of each)."""
+        if self.model is None:
+            raise UserError("this MLX session is closed; load the model again")
+        chunk = max(1, self.options.prefill_chunk)
+        outs = []
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            logits = self.model(mx.array(part, dtype=mx.int32), self.cache, last_only=not all_logits)
+            mx.eval(logits, *self.cache.arrays())
+            outs.append(np.array(logits))
+            self.fed.extend(part)
+        self.last_logits = outs[-1] if not all_logits else outs[-1][-1]
+        return np.concatenate(outs) if all_logits else outs[-1]
+
+    def _plan_feed(self, tokens: list[int]) -> tuple[list[int], int]:
+        """(tokens still to run, tokens reused from the cache). The cache grows by appending; it
+        rolls back to a shared prefix only where that is exact (cache.truncate), else restarts."""
+        n = len(self.fed)
+        if n and tokens[:n] == self.fed and (len(tokens) > n or self.last_logits is not None):
+            return tokens[n:], n
+        common = 0
+        for a, b in zip(self.fed, tokens):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(tokens) - 1)  # at least one token runs, for the next logits
+        if common > 0 and self.cache.truncate(common):
+            self.fed = self.fed[:common]
+            return tokens[common:], common
+        self.reset()
+        return tokens, 0
+
+    def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
+                 cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+        tokens = self.tokenizer.encode(self.render(prompt))
+        check_prompt_fits(len(tokens), self.plan, self.spec, params.max_tokens)
+        if not self.plan.policy.evicts:
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.plan.context - len(tokens)))
+        todo, cached = self._plan_feed(tokens)
+        clock = StatsClock(backend="mlx", policy=str(self.plan.policy), prompt_tokens=len(tokens),
+                           cached_tokens=cached)
+        sampler = Sampler(params)
+
+        def ids() -> Iterator[int]:
+            logits = self.feed(todo) if todo else self.last_logits
+            while True:
+                tok = sampler(logits)
+                yield tok
+                logits = self.feed([tok])
+
+        yield from stream(ids(), token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos, params=params,
+                          clock=clock, probe=KVProbe(self.cache.probe), cancel=cancel)
