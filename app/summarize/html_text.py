@@ -8,6 +8,7 @@ from html.parser import HTMLParser
 _SKIP = {"script", "style", "noscript", "template", "head"}
 _BLOCK = {"p", "div", "section", "article", "br", "li", "ul", "ol", "table", "tr", "pre", "blockquote",
           "header", "footer", "nav", "aside", "main", "dl", "dt", "dd", "hr", "figure", "figcaption"}
+_LINE_STARTS = {"li", "dt", "dd", "br", "tr"}  # a line break before, none after
 _HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
 
 
@@ -30,7 +31,7 @@ class _TextExtractor(HTMLParser):
             self.skip_depth = max(0, self.skip_depth - 1)
         elif tag in _HEADINGS or tag in ("p", "pre", "blockquote", "table"):
             self.parts.append("\n\n")
-        elif tag in _BLOCK:
+        elif tag in _BLOCK and tag not in _LINE_STARTS:
             self.parts.append("\n")
 
     def handle_data(self, data) -> None:
