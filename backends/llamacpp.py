@@ -170,6 +170,12 @@ class LlamaCppSession(Session):
                           token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
                           params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)
 
+    def generate_batch(self, prompts, params: GenerationParams = GenerationParams(),
+                       cancel: threading.Event | None = None):
+        from localctx.backends.llamacpp_batch import generate_batch  # several sequences, one llama.cpp context
+
+        return generate_batch(self, prompts, params, cancel)
+
 
 class LlamaCppBackend(Backend):
     name = "llamacpp"
@@ -182,7 +188,7 @@ class LlamaCppBackend(Backend):
         return None
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}),
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}), batch=True,
                             notes=("quantized KV uses llama.cpp's q8_0 / q4_0 with flash attention",))
 
     def load(self, model: ModelRef, plan: Plan) -> LlamaCppSession:
