@@ -53,7 +53,7 @@ def plan_budget(context: int, settings: Settings, overhead: Callable[[str], int]
                             f"tokens with the prompt and a {answer}-token answer; give at most {room_map:,}")
         chunk = settings.chunk_tokens
     else:
-        chunk = min(room_map, max(256, context // 4 - overhead("map") - answer))
+        chunk = min(room_map, max(256, context // 4 - overhead("map") - answer - MARGIN))
     return Budget(context=context, chunk=chunk, reduce=room_reduce)
 
 
