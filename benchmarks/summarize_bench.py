@@ -43,9 +43,17 @@ def build_corpus(folder: Path, n_docs: int, lo: int, hi: int, count) -> dict[str
         target = lo + (hi - lo) * i // max(1, n_docs - 1)
         parts, total = [], 0
         while total < target:
-            parts.append(sections[cursor % len(sections)])
-            total += sizes[cursor % len(sections)]
+            section, size = sections[cursor % len(sections)], sizes[cursor % len(sections)]
             cursor += 1
+            if total + size > target:  # take the section's paragraphs up to the target
+                paragraphs = section.split("\n\n")
+                for k in range(1, len(paragraphs) + 1):
+                    if total + count("\n\n".join(paragraphs[:k])) > target:
+                        break
+                section = "\n\n".join(paragraphs[:k]) + "\n\n"
+                size = count(section)
+            parts.append(section)
+            total += size
         name = f"doc{i:02d}.txt"
         (folder / name).write_text("".join(parts), encoding="utf-8")
         docs[name] = count("".join(parts))
