@@ -30,12 +30,12 @@ class BatchConfig:
 
 def summarize(config: BatchConfig, session: Session, events: Events) -> dict:
     started = time.time()
-    store = Store(config.out_dir)
     files, ignored = discover(list(config.paths), config.out_dir)
     if not files:
         found = f" (found only unsupported files: {', '.join(s.key for s in ignored[:5])})" if ignored else ""
         raise UserError(f"no documents to summarise in {', '.join(config.paths)}{found}; "
                         "give .txt, .md, .rst, .html or .pdf files or folders holding them")
+    store = Store(config.out_dir)
     prompts = load_prompts()
     identity = {"model": config.model_id, "backend": session.plan.backend, "policy": str(session.plan.policy)}
     runner = Runner(session, store, prompts, config.settings, events, identity)
