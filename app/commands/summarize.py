@@ -79,6 +79,9 @@ def handle(args: argparse.Namespace) -> int:
     out_dir = Path(args.out).expanduser()
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {args.out} is a file; give a folder")
+    missing = [p for p in args.paths if not Path(p).expanduser().exists()]
+    if missing:  # before loading a model
+        raise UserError(f"input not found: {', '.join(missing)}; give existing files or folders")
     req = SessionRequest.from_args(args)
     config = BatchConfig(paths=tuple(args.paths), out_dir=out_dir, settings=settings, model_id=model_id(req))
     events = JsonEvents() if args.json else RichEvents()
