@@ -186,6 +186,12 @@ class LlamaCppSession(Session):
                           token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
                           params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)
 
+    def generate_batch(self, prompts, params: GenerationParams = GenerationParams(),
+                       cancel: threading.Event | None = None):
+        from localctx.backends.llamacpp_batch import generate_batch  # several sequences, one llama.cpp context
+
+        return generate_batch(self, prompts, params, cancel)
+
 
 class LlamaCppBackend(Backend):
     name = "llamacpp"
@@ -199,8 +205,10 @@ class LlamaCppBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}), sinks_window=True,
+                            batch=True,
                             notes=("quantized KV uses llama.cpp's q8_0 / q4_0 with flash attention",
-                                   "sinks + window run through llama.cpp's context shift, with fp16 KV"))
+                                   "sinks + window run through llama.cpp's context shift, with fp16 KV",
+                                   "generate_batch decodes several sequences together (llamacpp_batch)"))
 
     def refusals(self, policy: KVPolicy, spec=None) -> list[str]:
         return self.capabilities().refusals(policy) + llamacpp_shift.refusals(policy, spec)
