@@ -71,9 +71,11 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
         raise UserError("--kv names the policy itself; drop --exact / --min-tok-s, or drop --kv to let localctx plan")
     if ctx is None:
         ctx = planning_context(req.backend, spec, hardware=req.hardware, measure=req.backend != "fake")
-    if req.kv:
-        return plan_fixed(ctx, spec, KVPolicy.parse(req.kv), req.plan_request())
-    return make_auto_plan(ctx, spec, req.plan_request())
+    plan = plan_fixed(ctx, spec, KVPolicy.parse(req.kv), req.plan_request()) if req.kv else \
+        make_auto_plan(ctx, spec, req.plan_request())
+    if req.backend == "fake":
+        plan.hardware = ""  # the fake backend runs on no hardware: surfaces show their own label
+    return plan
 
 
 def open_session(req: SessionRequest) -> Session:
