@@ -94,8 +94,9 @@ class LlamaCppSession(Session):
                             f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
         try:
             with _quiet_stderr():
-                self.llm = Llama(model_path=str(ref.path), n_ctx=self.settings.n_ctx,
-                                 n_threads=threads or default_threads(), n_batch=512, type_k=type_k, type_v=type_v,
+                n_threads = threads or default_threads()
+                self.llm = Llama(model_path=str(ref.path), n_ctx=self.settings.n_ctx, n_threads=n_threads,
+                                 n_threads_batch=n_threads, n_batch=512, type_k=type_k, type_v=type_v,
                                  flash_attn=self.settings.flash_attn, verbose=False)
         except (ValueError, RuntimeError) as exc:
             raise RuntimeFailure(f"llama.cpp could not load {ref.path.name}: {exc}") from None
