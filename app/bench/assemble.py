@@ -1,0 +1,70 @@
+"""The bench result as one JSON-ready dict: machine, model, settings, every series' points, the
+headline ratios and the goals. Tables, plots and the docs page are all drawn from this dict, so a
+saved run can be re-rendered without measuring again."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localctx.app.bench import goals
+from localctx.app.bench.baseline import baseline_settings
+from localctx.app.bench.projection import Bandwidth
+from localctx.app.bench.results import PointInputs, headline, point
+from localctx.app.bench.runner import Lineup, Samples
+from localctx.app.bench.settings import BenchSettings, Series
+from localctx.backends.modelref import ModelRef
+from localctx.kvcache.spec import ModelSpec
+
+SCHEMA = "localctx.bench/1"
+
+
+@dataclass
+class RunInfo:
+    command: str
+    started: str
+    finished: str
+    duration_s: float
+    machine: dict
+    bandwidth: Bandwidth
+    llama_cpp_version: str | None = None
+
+
+def label(series: Series) -> str:
+    if series.baseline:
+        return "llama.cpp plain (defaults)"
+    return f"localctx {series.backend} {series.policy}"
+
+
+def _entry(series: Series, status: str, reason: str | None, points: list[dict]) -> dict:
+    policy = series.kv_policy
+    return {"key": series.key, "label": label(series), "backend": series.backend, "policy": series.policy,
+            "baseline": series.baseline, "exact": policy.exact, "status": status, "reason": reason, "points": points}
+
+
+def build_result(settings: BenchSettings, lineup: Lineup, samples: Samples, ref: ModelRef, spec: ModelSpec,
+                 info: RunInfo, planner_picks: list[dict] | None = None) -> dict:
+    inputs = PointInputs(spec=spec, bandwidth=info.bandwidth, trained=spec.context_length)
+    entries = [_entry(s, "ok", None, [point(s, c, samples, inputs) for c in settings.contexts])
+               for s in lineup.series]
+    entries += [_entry(s, "refused", lineup.refused[s.key], []) for s in lineup.refused_series]
+    head = headline(entries, settings.contexts, spec.context_length)
+    goal_rows, comparisons = goals.evaluate(entries, head, planner_picks)
+    return {
+        "schema": SCHEMA,
+        "command": info.command,
+        "started": info.started, "finished": info.finished, "duration_s": round(info.duration_s, 1),
+        "machine": info.machine,
+        "model": {"ref": settings.model or "default", "name": spec.name, "path": str(ref.path), "spec": spec.to_dict()},
+        "settings": {"backends": settings.backends, "policies": settings.policies, "contexts": settings.contexts,
+                     "runs": settings.runs, "gen_tokens": settings.gen_tokens, "threads": settings.threads},
+        "baseline": {"label": "llama.cpp plain (defaults)", "settings": baseline_settings(settings.threads),
+                     "llama_cpp_version": info.llama_cpp_version,
+                     "measured": not any(s.baseline for s in lineup.refused_series)},
+        "projection": {"source": "roofline", "bandwidth": info.bandwidth.to_dict(),
+                       "formula": "decode tok/s ≤ bandwidth / (weight bytes + KV bytes at the context)",
+                       "planner": planner_picks is not None},
+        "series": entries,
+        "headline": head,
+        "quant_vs_fp16": comparisons,
+        "goals": goal_rows,
+        "plots": [],
+    }

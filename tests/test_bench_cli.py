@@ -1,0 +1,118 @@
+"""localctx bench end to end on the fake backend (workers are real subprocesses, the model is fake):
+the JSON's shape, the plots, re-rendering a saved run, and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from localctx.backends.fake import FAKE_SPEC
+from localctx.kvcache import cost
+from localctx.kvcache.policy import KVPolicy
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+POINT_FIELDS = {"context", "status", "runs", "prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s",
+                "kv_bytes", "kv_bytes_projected", "kv_tokens", "evicted_tokens", "peak_rss_bytes",
+                "roofline_decode_tok_s", "roofline_fraction", "planner_decode_tok_s", "decode_vs_baseline",
+                "samples"}
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+    """One small bench run shared by the tests below (4096 is the fake model's trained context)."""
+    from localctx.app.cli import main
+
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--backend", "fake", "--kv", "fp16,int4,int8+sink4+win64", "--contexts", "128,512,8k",
+                 "--runs", "2", "--gen-tokens", "8", "--out", str(out)])
+    return code, out, json.loads((out / "bench.json").read_text())
+
+
+def test_run_writes_json_and_png_plots(fake_run):
+    code, out, result = fake_run
+    assert code == 0
+    assert result["schema"] == "localctx.bench/1"
+    assert result["plots"] == ["bench-decode.png", "bench-kv.png", "bench-prefill.png"]
+    for name in result["plots"]:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000  # a real image, not an empty file
+
+
+def test_json_shape(fake_run):
+    _, _, result = fake_run
+    assert set(result) >= {"command", "machine", "model", "settings", "baseline", "projection", "series",
+                           "headline", "quant_vs_fp16", "goals", "plots", "duration_s"}
+    assert result["settings"]["contexts"] == [128, 512, 8192] and result["settings"]["runs"] == 2
+    assert result["command"].startswith("localctx bench --backend fake --kv fp16,int4,int8+sink4+win64")
+    assert result["machine"]["logical_cores"] >= 1 and result["projection"]["bandwidth"]["bytes_s"] > 0
+    by_key = {e["key"]: e for e in result["series"]}
+    assert set(by_key) == {"fake/fp16", "fake/int4", "fake/int8+sink4+win64", "llama-cpp-python"}
+    # the fake model is not a GGUF: the baseline is refused with a reason, not silently dropped
+    assert by_key["llama-cpp-python"]["status"] == "refused" and "GGUF" in by_key["llama-cpp-python"]["reason"]
+    for key in ("fake/fp16", "fake/int4"):
+        statuses = [p["status"] for p in by_key[key]["points"]]
+        assert statuses == ["ok", "ok", "n/a"]  # 8k is past the fake model's 4096: windowed policies only
+    windowed = by_key["fake/int8+sink4+win64"]["points"]
+    assert [p["status"] for p in windowed] == ["ok", "ok", "ok"]
+    for entry in by_key.values():
+        for p in entry["points"]:
+            if p["status"] != "ok":
+                continue
+            assert set(p) >= POINT_FIELDS and p["runs"] == 2 and len(p["samples"]) == 2
+            assert p["decode_tok_s"]["min"] <= p["decode_tok_s"]["median"] <= p["decode_tok_s"]["max"]
+            assert p["prompt_tokens"] <= p["context"] - 8
+
+
+def test_kv_bytes_match_the_cost_model(fake_run):
+    _, _, result = fake_run
+    for entry in result["series"]:
+        if entry["baseline"]:
+            continue
+        policy = KVPolicy.parse(entry["policy"])
+        for p in (p for p in entry["points"] if p["status"] == "ok"):
+            stream = p["kv_tokens"] + p["evicted_tokens"]
+            assert p["kv_bytes"] == p["kv_bytes_projected"] == cost.kv_bytes(FAKE_SPEC, policy, stream)
+    windowed = next(e for e in result["series"] if e["policy"] == "int8+sink4+win64")
+    far = windowed["points"][-1]
+    assert far["kv_tokens"] == 4 + 64 and far["evicted_tokens"] > 8000  # the stream went past n_ctx
+
+
+def test_headline_and_goals_are_reported(fake_run):
+    _, _, result = fake_run
+    head = result["headline"]
+    assert (head["short"], head["long"], head["far"]) == (128, 512, 8192)
+    rows = {r["series"]: r for r in head["rows"]}
+    assert rows["fake/fp16"]["ratio"] > 0 and rows["fake/fp16"]["ratio_far"] is None
+    assert rows["fake/int8+sink4+win64"]["ratio_far"] > 0
+    assert [g["status"] for g in result["goals"]][1:] == ["not measured", "not measured"]
+    assert result["goals"][0]["status"] in ("holds", "fails")
+
+
+def test_from_json_redraws_without_measuring(fake_run, cli, tmp_path):
+    _, out, result = fake_run
+    r = cli("bench", "--from-json", str(out / "bench.json"), "--out", str(tmp_path))
+    assert r.code == 0
+    assert "fake/int8+sink4+win64" in r.out or "fake int8+sink4+win64" in r.out
+    assert (tmp_path / "bench-kv.png").read_bytes()[:8] == PNG_MAGIC
+    assert json.loads((tmp_path / "bench.json").read_text())["series"] == result["series"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runs", "0"], "--runs"),
+    (["--contexts", "12k,abc"], "--contexts"),
+    (["--kv", "int3"], "int3"),
+    (["--backend", "nope"], "unknown backend"),
+    (["--kv", "fp16", "--contexts", "64", "--gen-tokens", "64"], "gen-tokens"),
+])
+def test_bad_input_is_one_line_and_exit_2(cli, tmp_path, args, message):
+    r = cli("bench", "--backend", "fake", "--out", str(tmp_path), *args) if "--backend" not in args else \
+        cli("bench", "--out", str(tmp_path), *args)
+    assert r.code == 2
+    assert message in r.err and r.err.count("\n") == 1 and "Traceback" not in r.err
+
+
+def test_from_json_rejects_a_file_that_is_not_a_bench_result(cli, tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"hello": 1}')
+    r = cli("bench", "--from-json", str(bad), "--out", str(tmp_path))
+    assert r.code == 2 and "not a localctx bench result" in r.err
