@@ -92,7 +92,7 @@ def headline(entries: list[dict], contexts: list[int], trained: int) -> dict | N
         return None
     lo, hi = span
     rows = []
-    for e in entries:
+    for e in (e for e in entries if e["status"] == "ok"):
         short, long_ = decode_at(e, lo), decode_at(e, hi)
         row = {"series": e["key"], "ratio": long_ / short if short and long_ else None}
         if contexts[-1] > hi:

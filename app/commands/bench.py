@@ -14,6 +14,7 @@ from rich.console import Console
 
 from localctx.app.bench import plots
 from localctx.app.bench.assemble import RunInfo, build_result
+from localctx.app.bench.docs import write_doc
 from localctx.app.bench.machine import describe_machine, load_average
 from localctx.app.bench.projection import detect_bandwidth
 from localctx.app.bench.report import print_report
@@ -43,6 +44,8 @@ def register(sub) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--from-json", default=None, metavar="FILE",
                    help="redraw the table and plots from a saved bench.json instead of measuring")
+    p.add_argument("--doc", default=None, metavar="FILE.md",
+                   help="also write a markdown page (plots and bench.json copied to img/ beside it)")
     p.set_defaults(handler=handle)
 
 
@@ -124,4 +127,6 @@ def handle(args: argparse.Namespace) -> int:
     (out / RESULT_JSON).write_text(json.dumps(result, indent=1) + "\n")
     print_report(result, Console(width=200) if not sys.stdout.isatty() else Console())
     err.print(f"wrote {out / RESULT_JSON}" + "".join(f", {out / p}" for p in result["plots"]))
+    if args.doc:
+        err.print(f"wrote {write_doc(result, out, Path(args.doc), out / RESULT_JSON)}")
     return 0
