@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from localctx.backends import llamacpp_shift
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits)
 from localctx.backends.chat_template import ChatTemplate
@@ -22,8 +23,6 @@ from localctx.kvcache.errors import RuntimeFailure, UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 
-# llama.cpp's KV formats for our precisions (blocks of 32 with one fp16 scale each)
-_GGML_KV_TYPE = {16: "GGML_TYPE_F16", 8: "GGML_TYPE_Q8_0", 4: "GGML_TYPE_Q4_0"}
 
 
 def default_threads() -> int:
@@ -67,13 +66,6 @@ def ggml_row_size(type_id: int, n_elements: int) -> int:
     return int(_ggml_base().ggml_row_size(type_id, n_elements))
 
 
-def kv_type_ids(policy: KVPolicy) -> tuple[int, int]:
-    import llama_cpp
-
-    tid = getattr(llama_cpp, _GGML_KV_TYPE[policy.bits])
-    return tid, tid
-
-
 class _EndOfGeneration:
     """Set-like membership test for llama.cpp's end-of-generation tokens (EOS, EOT, ...)."""
 
@@ -95,15 +87,16 @@ class LlamaCppSession(Session):
         self.plan = plan
         self.backend_name = "llamacpp"
         policy = plan.policy
-        type_k, type_v = kv_type_ids(policy)
+        self.settings = llamacpp_shift.settings_for(plan, llamacpp_shift.local_calibration())
+        type_k, type_v = self.settings.type_ids()
         if plan.context > self.spec.context_length and not policy.evicts:
             raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
                             f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
         try:
             with _quiet_stderr():
-                self.llm = Llama(model_path=str(ref.path), n_ctx=plan.context, n_threads=threads or default_threads(),
-                                 n_batch=512, type_k=type_k, type_v=type_v, flash_attn=policy.quantized,
-                                 verbose=False)
+                self.llm = Llama(model_path=str(ref.path), n_ctx=self.settings.n_ctx,
+                                 n_threads=threads or default_threads(), n_batch=512, type_k=type_k, type_v=type_v,
+                                 flash_attn=self.settings.flash_attn, verbose=False)
         except (ValueError, RuntimeError) as exc:
             raise RuntimeFailure(f"llama.cpp could not load {ref.path.name}: {exc}") from None
         meta = self.llm.metadata
@@ -111,6 +104,7 @@ class LlamaCppSession(Session):
                                      bos_token=self._piece(self.llm.token_bos()),
                                      eos_token=self._piece(self.llm.token_eos()))
         self._eog = _EndOfGeneration(self.llm)
+        self._shift = llamacpp_shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         width = self.spec.n_kv_heads * self.spec.head_dim
         self._bytes_per_token = self.spec.n_layers * (ggml_row_size(type_k, width) + ggml_row_size(type_v, width))
 
@@ -135,11 +129,13 @@ class LlamaCppSession(Session):
         """(KV bytes held, tokens held, tokens evicted): llama.cpp's token count times its own row
         sizes for the K and V types in use (ggml_row_size), so q8_0/q4_0 block scales are counted."""
         n = int(self.llm.n_tokens)
-        return n * self._bytes_per_token, n, 0
+        return n * self._bytes_per_token, n, self._shift.evicted if self._shift else 0
 
     def reset(self) -> None:
         self.llm.reset()
         self.llm._ctx.kv_cache_clear()
+        if self._shift:
+            self._shift.reset()
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -169,6 +165,9 @@ class LlamaCppSession(Session):
     def _tokens(self, prompt_ids: list[int], params: GenerationParams):
         if params.seed is not None:
             self.llm.set_seed(params.seed)
+        if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
+            yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature)
+            return "stop"
         for token in self.llm.generate(prompt_ids, top_k=params.top_k, top_p=params.top_p, min_p=0.0,
                                        temp=params.temperature, repeat_penalty=1.0):
             yield token
@@ -180,8 +179,9 @@ class LlamaCppSession(Session):
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         ids = self.tokenize(prompt)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
+        cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
-                           cached_tokens=self._cached_prefix(ids))
+                           cached_tokens=cached)
         yield from stream(self._tokens(ids, params),
                           token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
                           params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)
@@ -198,8 +198,12 @@ class LlamaCppBackend(Backend):
         return None
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}),
-                            notes=("quantized KV uses llama.cpp's q8_0 / q4_0 with flash attention",))
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}), sinks_window=True,
+                            notes=("quantized KV uses llama.cpp's q8_0 / q4_0 with flash attention",
+                                   "sinks + window run through llama.cpp's context shift, with fp16 KV"))
+
+    def refusals(self, policy: KVPolicy, spec=None) -> list[str]:
+        return self.capabilities().refusals(policy) + llamacpp_shift.refusals(policy, spec)
 
     def load(self, model: ModelRef, plan: Plan) -> LlamaCppSession:
         if model.kind != "gguf":

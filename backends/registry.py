@@ -48,3 +48,16 @@ def auto_name() -> str:
     if Path("/proc/driver/nvidia/version").exists() and importlib.util.find_spec("torch"):
         return "torch"
     return "llamacpp"
+
+
+def backend_class(name: str) -> type[Backend] | None:
+    """The class behind ``name`` without checking that it can run here (planning on paper for
+    another machine); None when this build lacks the backend or the packages it imports."""
+    target = _BACKENDS.get(name)
+    if target is None:
+        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(USER_FACING)} (or auto)")
+    module_name, _, cls_name = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), cls_name)
+    except ImportError:
+        return None

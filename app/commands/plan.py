@@ -1,0 +1,118 @@
+"""``localctx plan``: what would be chosen here (or on a named machine), the projected KV memory and
+decode speed at 4K / 32K / 128K, and every rejected alternative with its reason. Plans a known
+model shape (assets/models.json, e.g. ``-m llama-3-8b``) without its weights."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from localctx.app.session_options import SessionRequest, add_session_options, make_plan, resolve_model
+from localctx.backends.hardware import profile_names
+from localctx.backends.planning import planning_context
+from localctx.kvcache import known_models
+from localctx.kvcache.cost import format_bytes, full_bytes_per_token
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.planner import NoPlanFits, budget, projection_contexts, projections
+from localctx.kvcache.spec import ModelSpec
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="show the KV plan for a model here or on another machine, and why",
+                       description="Show the KV-cache plan: chosen backend and policy, projected memory and speed, "
+                                   "and each rejected alternative with its reason.")
+    add_session_options(p)
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help="plan for a named machine (rtx4090, m2-max-64gb, cpu-24gb, ...; default: this one)")
+    p.add_argument("--heavy", action="store_true", help="also consider heavy-hitter (H2O) eviction")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure llama.cpp's decode cost per KV format on this machine first (about a minute)")
+    p.add_argument("--list-hardware", action="store_true", help="list the named hardware profiles")
+    p.set_defaults(handler=handle)
+
+
+def model_spec(req: SessionRequest) -> tuple[ModelSpec, str]:
+    """A local model's spec, else a known shape from assets/models.json."""
+    try:
+        return resolve_model(req)[1], "model file"
+    except UserError as exc:
+        spec = known_spec_or_none(req.model)
+        if spec is None:
+            raise UserError(f"{exc}; or plan a known shape: {', '.join(known_models.names())}") from None
+        return spec, "assets/models.json (no weights needed)"
+
+
+def known_spec_or_none(name: str | None) -> ModelSpec | None:
+    return known_models.known_spec(name) if name else None
+
+
+def handle(args: argparse.Namespace) -> int:
+    if args.list_hardware:
+        print("\n".join(profile_names()))
+        return 0
+    req = SessionRequest.from_args(args)
+    req.hardware, req.heavy = args.hardware, args.heavy
+    if args.calibrate:
+        _calibrate(args)
+    spec, source = model_spec(req)
+    ctx = planning_context(req.backend, spec, hardware=req.hardware)
+    b = budget(ctx.hardware, spec, req.plan_request(), ctx.backend)
+    try:
+        plan = make_plan(req, spec, ctx)
+    except NoPlanFits as exc:
+        return _refused(args, spec, ctx, exc)
+    rows = projections(plan, spec, ctx.speed, projection_contexts(spec, plan.context), b.kv)
+    if args.json:
+        print(json.dumps({"model": spec.to_dict(), "model_source": source, "hardware": ctx.hardware.to_dict(),
+                          "plan": plan.to_dict(), "budget_kv_bytes": b.kv,
+                          "calibration": ctx.speed.calibration.source if ctx.speed.calibration else None,
+                          "projections": [r.__dict__ for r in rows]}, indent=2))
+        return 0
+    _print_plan(spec, source, ctx, plan, rows)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    if args.hardware:
+        raise UserError("--calibrate measures this machine; drop --hardware")
+    from localctx.backends.llamacpp_calibrate import calibrate_and_save
+
+    print("calibrating llama.cpp decode cost per KV format (interleaved timing; about a minute)...",
+          file=sys.stderr)
+    cal, path = calibrate_and_save(progress=lambda line: print(line, file=sys.stderr))
+    print(f"calibration saved to {path}: {cal.note}", file=sys.stderr)
+
+
+def _print_plan(spec, source, ctx, plan, rows) -> None:
+    print(f"model     {spec.name}: {spec.n_layers} layers, {spec.n_kv_heads} KV heads × {spec.head_dim}, trained "
+          f"{spec.context_length:,} tokens, weights {format_bytes(spec.weight_bytes)}, "
+          f"KV {format_bytes(full_bytes_per_token(spec))}/token at fp16  [{source}]")
+    print(f"hardware  {ctx.hardware.describe()}")
+    print(f"backend   {plan.backend}")
+    print(f"policy    {plan.policy}  ({plan.policy.describe()})")
+    print(f"context   {plan.context:,} tokens; KV {format_bytes(plan.kv_bytes)} + weights "
+          f"{format_bytes(plan.weight_bytes)}; decode ≈ {plan.decode_tok_s:.1f} tok/s"
+          + (f", prefill ≈ {plan.prefill_tok_s:.0f} tok/s" if plan.prefill_tok_s else ""))
+    print("\nprojected with this policy:")
+    print(f"  {'context':>9}  {'KV memory':>10}  {'decode tok/s':>12}  fits")
+    for r in rows:
+        print(f"  {r.context:>9,}  {format_bytes(r.kv_bytes):>10}  {r.decode_tok_s:>12.1f}  {'yes' if r.fits else 'no'}")
+    print("\nwhy:")
+    for reason in plan.reasons:
+        print(f"  - {reason}")
+    if plan.rejected:
+        print("\nrejected:")
+        for r in plan.rejected:
+            print(f"  - {r.policy}: {r.reason}")
+
+
+def _refused(args, spec, ctx, exc: NoPlanFits) -> int:
+    if args.json:
+        print(json.dumps({"model": spec.to_dict(), "hardware": ctx.hardware.to_dict(), "plan": None,
+                          "refused": exc.headline, "rejected": [r.__dict__ for r in exc.rejected]}, indent=2))
+    else:
+        print(f"no plan: {exc.headline}")
+        for r in exc.rejected:
+            print(f"  - {r.policy}: {r.reason}")
+    return exc.exit_code

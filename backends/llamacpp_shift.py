@@ -1,0 +1,157 @@
+"""The plan on llama.cpp: n_ctx, type_k / type_v, flash_attn, and attention sinks + a sliding
+window through llama.cpp's context shift.
+
+Sinks + window (StreamingLLM): the cache holds ``n_ctx = sinks + window`` tokens. When the next
+batch does not fit, the ``shift_chunk`` oldest tokens after the sinks are removed (``seq_rm``) and
+the rest slide down by that many positions (``seq_add``, which re-rotates the cached keys), so
+cache positions stay inside the trained context and a session streams past n_ctx indefinitely.
+Evicting a chunk at a time, not a token per step, keeps the re-rotation off the per-token cost;
+attention therefore sees the sinks plus the last ``window − shift_chunk`` to ``window`` tokens.
+
+What llama.cpp cannot do is refused up front: quantized V needs flash attention (so quantized
+formats always run with it), and shifting a quantized K cache dequantises, rotates and
+requantises every cached key at each shift, compounding the error — windowed plans keep fp16 KV."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from localctx.kvcache import calibration
+from localctx.kvcache.calibration import Calibration
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.spec import ModelSpec
+
+KV_TYPES = {16: "f16", 8: "q8_0", 4: "q4_0"}  # llama.cpp's formats for our precisions (blocks of 32)
+SHIFT_CHUNK_MAX = 256
+N_BATCH = 512
+
+
+def shift_chunk(window: int) -> int:
+    """Tokens evicted per shift: 1/16 of the window, at most 256 (≤ 6% of the window unseen)."""
+    return max(1, min(SHIFT_CHUNK_MAX, window // 16))
+
+
+@dataclass(frozen=True)
+class LlamaCppSettings:
+    n_ctx: int
+    type_k: str  # llama.cpp type name: "f16", "q8_0", "q4_0"
+    type_v: str
+    flash_attn: bool
+    sinks: int = 0
+    window: int | None = None  # None: no context shift; the session ends at n_ctx
+    shift_chunk: int = 0
+
+    def type_ids(self) -> tuple[int, int]:
+        import llama_cpp
+
+        return (getattr(llama_cpp, f"GGML_TYPE_{self.type_k.upper()}"),
+                getattr(llama_cpp, f"GGML_TYPE_{self.type_v.upper()}"))
+
+
+def refusals(policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
+    """What llama.cpp cannot do with ``policy`` beyond its Capabilities (reasons, empty if none)."""
+    out = []
+    if policy.evicts and policy.quantized:
+        out.append("its context shift would dequantise, re-rotate and requantise the quantized K cache at every "
+                   "shift, compounding the error; use fp16 KV with a window (e.g. fp16+sink4+win4096)")
+    if policy.evicts and spec is not None and policy.capacity() > spec.context_length:
+        out.append(f"sinks + window ({policy.capacity():,}) exceed {spec.name}'s trained context "
+                   f"({spec.context_length:,}); cache positions past it degrade, so use a window up to "
+                   f"{spec.context_length - policy.sinks - policy.heavy:,}")
+    return out
+
+
+def flash_attn_for(bits: int, cal: Calibration | None) -> bool:
+    """Quantized V needs flash attention; for fp16 use what the calibration measured faster (default off)."""
+    if bits < 16:
+        return True
+    fc = cal.cost("fp16") if cal is not None else None
+    return bool(fc.settings.get("flash_attn", False)) if fc is not None else False
+
+
+def local_calibration() -> Calibration | None:
+    from localctx.backends.hardware import cpu_class
+
+    return calibration.load("llamacpp", cpu_class())
+
+
+def settings_for(plan: Plan, cal: Calibration | None = None) -> LlamaCppSettings:
+    policy = plan.policy
+    kv = KV_TYPES[policy.bits]
+    fa = flash_attn_for(policy.bits, cal)
+    if policy.evicts:
+        n_ctx = policy.capacity()
+        return LlamaCppSettings(n_ctx=n_ctx, type_k=kv, type_v=kv, flash_attn=fa, sinks=policy.sinks,
+                                window=policy.window, shift_chunk=shift_chunk(policy.window))
+    return LlamaCppSettings(n_ctx=plan.context, type_k=kv, type_v=kv, flash_attn=fa)
+
+
+class ContextShift:
+    """Streams tokens through a llama.cpp context that keeps the sinks and a sliding window.
+
+    ``stream`` is every token evaluated since the last reset, so a chat that grows by a turn only
+    feeds the new tokens, even after the cache has evicted part of the conversation."""
+
+    def __init__(self, llm, settings: LlamaCppSettings):
+        if settings.window is None:
+            raise ValueError("ContextShift needs a windowed plan")
+        self.llm = llm
+        self.s = settings
+        self.stream: list[int] = []
+        self.evicted = 0
+
+    def reset(self) -> None:
+        self.stream = []
+        self.evicted = 0
+
+    def cached_prefix(self, ids: list[int]) -> int:
+        n = len(self.stream)
+        return n if n < len(ids) and ids[:n] == self.stream else 0
+
+    def _memory(self):
+        import llama_cpp
+
+        return llama_cpp.llama_get_memory(self.llm._ctx.ctx)
+
+    def make_room(self, n_new: int) -> None:
+        """Evict the oldest non-sink tokens (a chunk at a time) so that ``n_new`` more fit."""
+        import llama_cpp
+
+        llm, s = self.llm, self.s
+        n = int(llm.n_tokens)
+        if n + n_new <= s.n_ctx:
+            return
+        discard = min(max(s.shift_chunk, n + n_new - s.n_ctx), n - s.sinks)
+        mem = self._memory()
+        start, end = s.sinks, s.sinks + discard
+        if not llama_cpp.llama_memory_seq_rm(mem, 0, start, end):
+            raise RuntimeError("llama.cpp refused to remove tokens from its KV cache")
+        llama_cpp.llama_memory_seq_add(mem, 0, end, -1, -discard)
+        llm.input_ids[start:n - discard] = llm.input_ids[end:n]
+        llm.n_tokens = n - discard
+        self.evicted += discard
+
+    def feed(self, ids: list[int]) -> None:
+        """Evaluate ``ids`` in batches, shifting the window before each batch that would not fit."""
+        step = min(N_BATCH, max(1, self.s.n_ctx - self.s.sinks - 1))
+        for i in range(0, len(ids), step):
+            batch = ids[i:i + step]
+            self.make_room(len(batch))
+            self.llm.eval(batch)
+            self.stream.extend(batch)
+
+    def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float) -> Iterator[int]:
+        """Feeds the part of the prompt not yet streamed, then samples; each next() decodes one step."""
+        cached = self.cached_prefix(prompt_ids)
+        if cached == 0 and (self.stream or self.llm.n_tokens):
+            self.llm.reset()
+            self.llm._ctx.kv_cache_clear()
+            self.reset()
+        self.feed(prompt_ids[cached:])
+        self.llm._sampler = self.llm._init_sampler(top_k=top_k, top_p=top_p, min_p=0.0, temp=temperature,
+                                                   repeat_penalty=1.0)
+        while True:
+            token = self.llm.sample(idx=None)
+            yield token
+            self.feed([token])

@@ -1,0 +1,75 @@
+"""What the planner needs from this machine and a backend: the hardware profile, the backend's
+refusals, its calibration, and which backend a kind of hardware runs (DESIGN.md "Backends")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localctx.backends import registry
+from localctx.backends.base import Backend, Capabilities
+from localctx.backends.hardware import resolve_hardware
+from localctx.kvcache import calibration, cost
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.hardware import HardwareProfile
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.planner import BackendView, PlanRequest, budget, plan
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.speed import SpeedModel
+
+BACKEND_FOR_KIND = {"apple": "mlx", "cuda": "torch", "cpu": "llamacpp"}
+
+
+@dataclass(frozen=True)
+class PlanningContext:
+    hardware: HardwareProfile
+    backend: BackendView
+    speed: SpeedModel
+    notes: tuple[str, ...] = ()
+
+
+def choose_backend(requested: str, hw: HardwareProfile) -> str:
+    if requested != "auto":
+        return requested
+    return registry.auto_name() if hw.detected else BACKEND_FOR_KIND[hw.kind]
+
+
+def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ...]]:
+    """The backend's refusals, from its class even where it cannot run (planning for another machine)."""
+    cls = registry.backend_class(name)
+    if cls is None:
+        caps = Capabilities()
+        note = (f"backend {name} is not in this build: planned with full-precision KV only",)
+        return BackendView(name, caps.refusals), note
+    backend: Backend = cls()
+    return BackendView(name, lambda policy: backend.refusals(policy, spec)), ()
+
+
+def planning_context(backend: str, spec: ModelSpec, hardware: str | None = None,
+                     measure: bool = True) -> PlanningContext:
+    hw = resolve_hardware(hardware, measure=measure)
+    name = choose_backend(backend, hw)
+    view, notes = backend_view(name, spec)
+    return PlanningContext(hw, view, SpeedModel(hw, calibration.load(name, hw.key)), notes)
+
+
+def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: PlanRequest) -> Plan:
+    """A plan for a policy the user chose (``--kv``): refused before loading if it cannot fit."""
+    context = req.context or spec.context_length
+    b = budget(ctx.hardware, spec, req, ctx.backend)
+    need = cost.max_kv_bytes(spec, policy, context)
+    if need > b.kv:
+        raise UserError(f"--kv {policy} needs {cost.format_bytes(need)} of KV for {context:,} tokens but only "
+                        f"{cost.format_bytes(max(b.kv, 0))} is free for it ({b.describe()}); lower --context, "
+                        "or choose a quantized or windowed --kv (or omit --kv to let localctx plan)")
+    tok_s = ctx.speed.worst_decode_tok_s(spec, policy, context)
+    return Plan(backend=ctx.backend.name, policy=policy, context=context, kv_bytes=need,
+                weight_bytes=spec.weight_bytes, decode_tok_s=tok_s,
+                prefill_tok_s=ctx.speed.prefill_tok_s(spec, min(context, 4096)), hardware=ctx.hardware.name,
+                reasons=[f"KV policy {policy} from --kv ({policy.describe()})", b.describe(),
+                         f"decode ≈ {tok_s:.0f} tok/s at {context:,} tokens ({ctx.speed.basis(policy)})"])
+
+
+def make_auto_plan(ctx: PlanningContext, spec: ModelSpec, req: PlanRequest) -> Plan:
+    p = plan(ctx.hardware, spec, req, ctx.backend, ctx.speed)
+    p.reasons.extend(ctx.notes)
+    return p

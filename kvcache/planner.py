@@ -1,0 +1,299 @@
+"""The planner (DESIGN.md "Planner"): picks the KV policy from memory capacity, bandwidth and the
+backend's calibrated costs, and explains the choice and every rejected alternative.
+
+Order of preference: exact fp16 → int8 → int4 (+ a full-precision residual where the backend has
+one) → lossy sinks + the largest window that fits (optionally heavy hitters). The first candidate
+the backend can run, that fits the KV budget (free memory − weights − runtime − safety margin),
+holds the requested context within the trained length, and meets the speed target, wins."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from localctx.kvcache import cost
+from localctx.kvcache.cost import format_bytes
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.hardware import HardwareProfile, MiB
+from localctx.kvcache.plan import Plan, Rejected
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.speed import SpeedModel
+
+SINKS = 4  # StreamingLLM: four initial tokens carry the attention sink
+RESIDUAL = 128  # recent tokens kept in full precision by a quantized cache (KIVI)
+MIN_WINDOW = 128  # a window smaller than this is not a useful plan
+SPEED_MARGIN = 1.10  # plan for 10% above a --min-tok-s target: measured speed scatters around the projection
+HEAVY_FRACTION = 4  # with heavy hitters on, 1/4 of the kept tokens are heavy hitters
+SAFETY_FRACTION = 0.05  # of free memory, at least SAFETY_MIN
+SAFETY_MIN = 256 * MiB
+BATCH = 512  # tokens per prefill batch: sizes the runtime's activation buffers
+
+
+def window_cap(spec: ModelSpec) -> int:
+    """Largest window a lossy plan picks unasked: half the trained context. Past a few thousand
+    tokens StreamingLLM's perplexity stays flat while every cached token costs decode time."""
+    return spec.context_length // 2
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    context: int | None = None  # tokens to hold (prompt + answer); None = the model's trained context
+    min_tok_s: float | None = None  # decode speed target at the slowest point of the stream
+    exact: bool = False  # only exact plans (full precision, nothing evicted)
+    max_memory: int | None = None  # cap on weights + KV + runtime, in bytes
+    heavy: bool = False  # also consider heavy-hitter (H2O) candidates
+
+
+@dataclass(frozen=True)
+class BackendView:
+    """What the planner needs from a backend, without importing one (kvcache must not)."""
+    name: str
+    refusals: Callable[[KVPolicy], list[str]]
+
+
+class NoPlanFits(UserError):
+    """No candidate fits. ``headline`` says what and how to fix it; the message adds each
+    candidate's reason on the same line (surfaces print errors as one line); ``rejected`` lists them."""
+
+    def __init__(self, headline: str, rejected: list[Rejected]):
+        detail = "; ".join(f"{r.policy}: {r.reason}" for r in rejected)
+        super().__init__(headline + (f" ({detail})" if detail else ""))
+        self.headline = headline
+        self.rejected = rejected
+
+
+@dataclass(frozen=True)
+class Budget:
+    free: int
+    weights: int
+    runtime: int
+    margin: int
+    limited_by: str  # "free memory" or "--max-memory"
+
+    @property
+    def kv(self) -> int:
+        return self.free - self.weights - self.runtime - self.margin
+
+    def describe(self) -> str:
+        return (f"KV budget {format_bytes(max(self.kv, 0))} = {self.limited_by} {format_bytes(self.free)} − weights "
+                f"{format_bytes(self.weights)} − runtime {format_bytes(self.runtime)} − safety margin "
+                f"{format_bytes(self.margin)}")
+
+
+def default_runtime_bytes(spec: ModelSpec, kind: str) -> int:
+    """Buffers beyond weights and KV: the engine's own (a CUDA context is ~0.5 GiB) plus the
+    activations and logits of one prefill batch in fp32."""
+    base = 512 * MiB if kind == "cuda" else 128 * MiB
+    activations = BATCH * (4 * spec.hidden_size + 2 * (spec.intermediate_size or 4 * spec.hidden_size)) * 4
+    logits = BATCH * spec.vocab_size * 4
+    return base + activations + logits
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'6GB' → 6e9 bytes, '800MiB' → 800·2²⁰, '1.5gib', '123456' (bytes)."""
+    m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$", text or "")
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"memory size {text!r} is not understood; write it like 6GB, 6GiB or 800MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def budget(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: BackendView) -> Budget:
+    free, limited_by = hw.free_bytes, "free memory"
+    if req.max_memory is not None and req.max_memory < free:
+        free, limited_by = req.max_memory, "--max-memory"
+    runtime = default_runtime_bytes(spec, hw.kind)
+    margin = max(SAFETY_MIN, int(free * SAFETY_FRACTION))
+    return Budget(free=free, weights=spec.weight_bytes, runtime=runtime, margin=margin, limited_by=limited_by)
+
+
+def exact_candidates() -> list[KVPolicy]:
+    return [KVPolicy(bits=16), KVPolicy(bits=8), KVPolicy(bits=4, residual=RESIDUAL), KVPolicy(bits=4)]
+
+
+def lossy_templates(heavy: bool) -> list[KVPolicy]:
+    """Windowed shapes in order of fidelity; the window is sized per candidate (placeholder 1024 here)."""
+    out = [KVPolicy(bits=b, residual=r, sinks=SINKS, window=1024)
+           for b, r in ((16, 0), (8, 0), (4, RESIDUAL), (4, 0))]
+    if heavy:
+        out += [replace(p, heavy=256) for p in out]
+    return out
+
+
+def _shape(template: KVPolicy) -> str:
+    """A windowed template's text form with its window still open: 'int8+sink4+winN'."""
+    return str(replace(template, window=1)).replace("win1", "winN")
+
+
+@dataclass
+class _Search:
+    hw: HardwareProfile
+    spec: ModelSpec
+    req: PlanRequest
+    backend: BackendView
+    speed: SpeedModel
+    context: int
+    budget: Budget
+    rejected: list[Rejected] = field(default_factory=list)
+
+    def reject(self, policy: KVPolicy | str, reason: str) -> None:
+        self.rejected.append(Rejected(self.backend.name, str(policy), reason))
+
+    def exact_fits(self, policy: KVPolicy) -> bool:
+        refused = self.backend.refusals(policy)
+        if refused:
+            self.reject(policy, f"{self.backend.name} cannot: " + "; ".join(refused))
+            return False
+        if self.req.exact and not policy.exact:
+            self.reject(policy, f"--exact allows full-precision KV only ({policy.describe()})")
+            return False
+        if self.context > self.spec.context_length:
+            self.reject(policy, f"holds all {self.context:,} tokens, past the {self.spec.context_length:,} "
+                                f"{self.spec.name} was trained on (positions beyond it degrade); a window keeps "
+                                "cache positions inside it")
+            return False
+        need = cost.max_kv_bytes(self.spec, policy, self.context)
+        if need > self.budget.kv:
+            self.reject(policy, f"KV for {self.context:,} tokens is {format_bytes(need)}, over the "
+                                f"{format_bytes(max(self.budget.kv, 0))} budget")
+            return False
+        if self.req.min_tok_s:
+            tok_s = self.speed.worst_decode_tok_s(self.spec, policy, self.context)
+            if tok_s < self.req.min_tok_s * SPEED_MARGIN:
+                self.reject(policy, f"decodes at ≈{tok_s:.0f} tok/s at {self.context:,} tokens, under the "
+                                    f"--min-tok-s {self.req.min_tok_s:g} target (+{SPEED_MARGIN - 1:.0%} margin)")
+                return False
+        return True
+
+    def window_limits(self, template: KVPolicy) -> dict[str, int]:
+        """Each bound on the window: memory, trained context, default cap, speed target, the context."""
+        fixed = template.sinks + template.heavy
+        limits = {
+            "trained context": self.spec.context_length - fixed,
+            f"default cap (half the trained {self.spec.context_length:,})": window_cap(self.spec),
+            "requested context": self.context - fixed,
+            "memory": self._memory_window(template),
+        }
+        if self.req.min_tok_s:
+            unbounded = replace(template, window=None, sinks=0, heavy=0)
+            held = self.speed.max_cached_tokens(self.spec, unbounded, self.req.min_tok_s * SPEED_MARGIN)
+            limits[f"--min-tok-s {self.req.min_tok_s:g}"] = held - fixed
+        return limits
+
+    def _memory_window(self, template: KVPolicy) -> int:
+        lo, hi = 0, max(1, self.context)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if cost.max_kv_bytes(self.spec, replace(template, window=mid), self.context) <= self.budget.kv:
+                lo = mid
+            else:
+                hi = mid
+        if cost.max_kv_bytes(self.spec, replace(template, window=hi), self.context) <= self.budget.kv:
+            return hi
+        return lo
+
+    def lossy(self, template: KVPolicy) -> tuple[KVPolicy, str] | None:
+        refused = self.backend.refusals(template)
+        if refused:
+            self.reject(_shape(template), f"{self.backend.name} cannot: " + "; ".join(refused))
+            return None
+        limits = self.window_limits(template)
+        if template.heavy:
+            limits = {k: v * (HEAVY_FRACTION - 1) // HEAVY_FRACTION for k, v in limits.items()}
+        bound, window = min(limits.items(), key=lambda kv: kv[1])
+        if window < MIN_WINDOW:
+            self.reject(_shape(template),
+                        f"the window would be {max(window, 0):,} tokens (bound by {bound}); under {MIN_WINDOW}")
+            return None
+        heavy = window // (HEAVY_FRACTION - 1) if template.heavy else 0
+        return replace(template, window=window, heavy=heavy), bound
+
+
+def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: BackendView,
+         speed: SpeedModel | None = None) -> Plan:
+    """The plan for ``spec`` on ``hw`` through ``backend``, or NoPlanFits with every reason."""
+    speed = speed or SpeedModel(hw)
+    context = req.context or spec.context_length
+    if context < 16:
+        raise UserError(f"--context {context} is too small; give at least 16 tokens")
+    if req.min_tok_s is not None and req.min_tok_s <= 0:
+        raise UserError(f"--min-tok-s {req.min_tok_s:g} must be positive")
+    b = budget(hw, spec, req, backend)
+    s = _Search(hw, spec, req, backend, speed, context, b)
+    head = [f"hardware: {hw.describe()}", b.describe()]
+    if b.kv <= 0:
+        raise NoPlanFits(
+            f"{spec.name} does not fit {hw.name}: weights {format_bytes(spec.weight_bytes)} + runtime "
+            f"{format_bytes(b.runtime)} + margin {format_bytes(b.margin)} exceed {b.limited_by} "
+            f"{format_bytes(b.free)}; use a smaller or more quantized model", [])
+    for policy in exact_candidates():
+        if s.exact_fits(policy):
+            return _finish(s, policy, head + [_why_exact(policy, s)])
+    if req.exact:
+        raise NoPlanFits(f"no exact plan for {context:,} tokens of {spec.name} on {hw.name}; drop --exact, "
+                         "lower --context or --min-tok-s", s.rejected)
+    options = [(p, bound) for t in lossy_templates(req.heavy) if (found := s.lossy(t)) for p, bound in [found]]
+    if not options:
+        raise NoPlanFits(f"no plan for {context:,} tokens of {spec.name} on {hw.name}; lower --context or "
+                         "--min-tok-s, or use a smaller model", s.rejected)
+    widest = max(p.window for p, _ in options)  # the largest window; within 5% of it, the higher fidelity
+    best, bound = next((p, bd) for p, bd in options if p.window >= widest * 0.95)
+    for other, other_bound in options:
+        if other is best:
+            continue
+        if other.window < best.window:
+            s.reject(other, f"window {other.window:,} (bound by {other_bound}) is smaller than {best}'s")
+        else:
+            s.reject(other, f"its window is at most 5% larger than {best}'s, at lower precision")
+    why = (f"lossy: keeps the first {best.sinks} and the last {best.window:,} tokens"
+           + (f" plus {best.heavy:,} heavy hitters" if best.heavy else "")
+           + f" of a {context:,}-token stream; the window is bound by {bound}")
+    return _finish(s, best, head + [why])
+
+
+def _why_exact(policy: KVPolicy, s: _Search) -> str:
+    if policy.exact:
+        return f"exact: full-precision KV for all {s.context:,} tokens fits"
+    return f"{policy.describe()}: the most precise format that fits {s.context:,} tokens"
+
+
+def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
+    spec, ctx = s.spec, s.context
+    tok_s = s.speed.worst_decode_tok_s(spec, policy, ctx)
+    reasons.append(f"decode ≈ {tok_s:.0f} tok/s at {ctx:,} tokens ({s.speed.basis(policy)})")
+    if s.req.min_tok_s:
+        cost_of = [r for r in s.rejected if "--min-tok-s" in r.reason]
+        reasons.append(f"speed target {s.req.min_tok_s:g} tok/s met"
+                       + (f"; it cost: {', '.join(r.policy for r in cost_of)} rejected as too slow"
+                          if cost_of else " with no compromise"))
+    kv = cost.max_kv_bytes(spec, policy, ctx)
+    reasons.append(f"KV {format_bytes(kv)} peak of the {format_bytes(max(s.budget.kv, 0))} budget")
+    return Plan(backend=s.backend.name, policy=policy, context=ctx, kv_bytes=kv, weight_bytes=spec.weight_bytes,
+                decode_tok_s=tok_s, prefill_tok_s=s.speed.prefill_tok_s(spec, min(ctx, 4096)),
+                hardware=s.hw.name, reasons=reasons, rejected=s.rejected)
+
+
+@dataclass(frozen=True)
+class Projection:
+    context: int
+    kv_bytes: int
+    decode_tok_s: float
+    fits: bool
+
+
+def projections(p: Plan, spec: ModelSpec, speed: SpeedModel, contexts: list[int], kv_budget: int) -> list[Projection]:
+    """KV memory and decode speed of the chosen policy at each context length."""
+    return [Projection(c, cost.max_kv_bytes(spec, p.policy, c), speed.worst_decode_tok_s(spec, p.policy, c),
+                       cost.max_kv_bytes(spec, p.policy, c) <= kv_budget) for c in contexts]
+
+
+def projection_contexts(spec: ModelSpec, requested: int) -> list[int]:
+    """4K / 32K / 128K up to the trained context (and past it only if asked), plus the request."""
+    top = max(spec.context_length, requested)
+    out = sorted({c for c in (4096, 32768, 131072) if c <= top} | {requested})
+    return out

@@ -1,0 +1,110 @@
+"""Hardware profiles: named machines from assets/hardware.json, detection paths, the cached CPU benchmark."""
+import pytest
+
+from localctx.backends import hardware
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.hardware import GB, GiB, HardwareProfile
+
+CUDA_FRACTION = hardware.table()["achievable_fraction"]["cuda"]
+APPLE_FRACTION = hardware.table()["achievable_fraction"]["apple"]
+
+
+def test_named_rtx4090_and_rtx4080():
+    hw = hardware.named("rtx4090")
+    assert (hw.kind, hw.memory_bytes, hw.detected) == ("cuda", 24 * GiB, False)
+    assert hw.bandwidth_bytes_s == pytest.approx(1008 * GB * CUDA_FRACTION)
+    assert hw.free_bytes < hw.memory_bytes
+    assert hardware.named("RTX-4080").memory_bytes == 16 * GiB
+
+
+def test_named_apple_profiles_use_the_chip_and_the_memory_option():
+    m2max = hardware.named("m2-max-64gb")
+    assert (m2max.kind, m2max.memory_bytes) == ("apple", 64 * GiB)
+    assert m2max.bandwidth_bytes_s == pytest.approx(400 * GB * APPLE_FRACTION)
+    assert m2max.free_bytes == int(64 * GiB * 0.75)  # Metal's working set on a large machine
+    binned = hardware.named("m3-max-36gb")  # the 36 GB M3 Max is the 300 GB/s part
+    assert binned.bandwidth_bytes_s == pytest.approx(300 * GB * APPLE_FRACTION)
+    assert hardware.named("m1-8gb").free_bytes == int(8 * GiB * 0.67)
+
+
+def test_apple_table_covers_every_m1_to_m4_tier():
+    chips = hardware.table()["apple"]["chips"]
+    for gen in (1, 2, 3, 4):
+        for tier in ("", " Pro", " Max"):
+            assert f"M{gen}{tier}" in chips
+    for gen in (1, 2, 3):  # Apple has shipped no M4 Ultra
+        assert f"M{gen} Ultra" in chips
+
+
+def test_unknown_or_impossible_profiles_are_one_line_user_errors():
+    with pytest.raises(UserError, match="unknown hardware profile 'rtx9999'.*rtx4090"):
+        hardware.named("rtx9999")
+    with pytest.raises(UserError, match="was not sold with 64 GB"):
+        hardware.named("m1-64gb")
+
+
+def test_every_listed_profile_resolves():
+    names = hardware.profile_names()
+    assert {"rtx4090", "rtx3090", "rtx5090", "m2-max-64gb", "m3-pro-36gb", "cpu-24gb"} <= set(names)
+    for name in names:
+        assert hardware.named(name).bandwidth_bytes_s > 0
+
+
+def test_nvidia_known_name_uses_the_table_and_unknown_uses_bus_width_times_clock():
+    known = hardware.nvidia_profile("NVIDIA GeForce RTX 4090", total=24 * GiB, free=20 * GiB)
+    assert (known.bandwidth_source, known.key) == ("table", "rtx4090")
+    assert hardware.nvidia_table_entry("NVIDIA GeForce RTX 4080 SUPER")[0] == "RTX 4080 SUPER"
+    # GDDR6X at 10,501 MHz on a 384-bit bus: 2 × 10.501e9 × 48 bytes ≈ 1008 GB/s
+    odd = hardware.nvidia_profile("NVIDIA Prototype X", total=24 * GiB, free=24 * GiB,
+                                  mem_clock_khz=10_501_000, bus_width_bits=384)
+    assert odd.bandwidth_source == "bus width x memory clock"
+    assert odd.bandwidth_bytes_s == pytest.approx(2 * 10_501e6 * 48 * CUDA_FRACTION)
+    with pytest.raises(UserError, match="--hardware"):
+        hardware.nvidia_profile("NVIDIA Prototype Y", total=GiB, free=GiB)
+
+
+def test_detect_apple_reads_sysctl(monkeypatch):
+    values = {"machdep.cpu.brand_string": "Apple M3 Pro", "hw.memsize": str(36 * GiB)}
+    monkeypatch.setattr(hardware, "_sysctl", values.__getitem__)
+    hw = hardware.detect_apple()
+    assert (hw.name, hw.memory_bytes, hw.detected) == ("Apple M3 Pro", 36 * GiB, True)
+    assert hw.bandwidth_bytes_s == pytest.approx(150 * GB * APPLE_FRACTION)
+    assert hw.free_bytes <= int(36 * GiB * 0.67)
+
+
+def test_cpu_bandwidth_is_measured_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda: calls.append(1) or 7.5e9)
+    first = hardware.detect_cpu()
+    second = hardware.detect_cpu()
+    assert calls == [1]
+    assert (first.bandwidth_bytes_s, first.bandwidth_source) == (7.5e9, "measured")
+    assert (second.bandwidth_bytes_s, second.bandwidth_source) == (7.5e9, "measured (cached)")
+    assert (tmp_path / "hardware.json").is_file()
+    assert first.key == hardware.cpu_class() and first.kind == "cpu"
+
+
+def test_copy_benchmark_measures_a_plausible_bandwidth():
+    bw = hardware.measure_copy_bandwidth(size_bytes=8 * 1024 * 1024, repeats=2)
+    assert 1e8 < bw < 1e13
+
+
+def test_profile_validation():
+    with pytest.raises(ValueError, match="kind"):
+        HardwareProfile(kind="tpu", name="x", memory_bytes=1, free_bytes=1, bandwidth_bytes_s=1,
+                        bandwidth_source="table")
+    with pytest.raises(ValueError, match="free memory"):
+        HardwareProfile(kind="cpu", name="x", memory_bytes=1, free_bytes=2, bandwidth_bytes_s=1,
+                        bandwidth_source="table")
+    hw = hardware.named("rtx4090")
+    assert HardwareProfile.from_dict(hw.to_dict()) == hw
+
+
+@pytest.mark.cuda
+def test_detect_finds_the_nvidia_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    hw = hardware.detect()
+    assert hw.kind == "cuda" and hw.memory_bytes > 0 and hw.bandwidth_bytes_s > 100e9
