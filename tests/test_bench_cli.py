@@ -61,6 +61,7 @@ def test_json_shape(fake_run):
             assert set(p) >= POINT_FIELDS and p["runs"] == 2 and len(p["samples"]) == 2
             assert p["decode_tok_s"]["min"] <= p["decode_tok_s"]["median"] <= p["decode_tok_s"]["max"]
             assert p["prompt_tokens"] <= p["context"] - 8
+            assert p["planner_decode_tok_s"] > 0 and p["roofline_decode_tok_s"] > 0
 
 
 def test_kv_bytes_match_the_cost_model(fake_run):
@@ -84,8 +85,13 @@ def test_headline_and_goals_are_reported(fake_run):
     rows = {r["series"]: r for r in head["rows"]}
     assert rows["fake/fp16"]["ratio"] > 0 and rows["fake/fp16"]["ratio_far"] is None
     assert rows["fake/int8+sink4+win64"]["ratio_far"] > 0
-    assert [g["status"] for g in result["goals"]][1:] == ["not measured", "not measured"]
-    assert result["goals"][0]["status"] in ("holds", "fails")
+    window, torch_quant, planner = result["goals"]
+    assert window["status"] in ("holds", "fails") and "fake/int8+sink4+win64" in window["detail"]
+    assert torch_quant["status"] == "not measured"  # no torch series in this run
+    # the planner is asked for each backend at each context within the trained length; fp16 fits a fake model
+    picks = result["projection"]["planner_picks"]
+    assert [(p["backend"], p["context"], p["fp16_fits"]) for p in picks] == [("fake", 128, True), ("fake", 512, True)]
+    assert all(p["policy"] == "fp16" for p in picks) and planner["status"] == "holds"
 
 
 def test_from_json_redraws_without_measuring(fake_run, cli, tmp_path):

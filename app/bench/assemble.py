@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from localctx.app.bench import goals
 from localctx.app.bench.baseline import baseline_settings
-from localctx.app.bench.projection import Bandwidth
+from localctx.app.bench.projection import Projector
 from localctx.app.bench.results import PointInputs, headline, point
 from localctx.app.bench.runner import Lineup, Samples
 from localctx.app.bench.settings import BenchSettings, Series
@@ -24,7 +24,6 @@ class RunInfo:
     finished: str
     duration_s: float
     machine: dict
-    bandwidth: Bandwidth
     llama_cpp_version: str | None = None
 
 
@@ -41,8 +40,9 @@ def _entry(series: Series, status: str, reason: str | None, points: list[dict]) 
 
 
 def build_result(settings: BenchSettings, lineup: Lineup, samples: Samples, ref: ModelRef, spec: ModelSpec,
-                 info: RunInfo, planner_picks: list[dict] | None = None) -> dict:
-    inputs = PointInputs(spec=spec, bandwidth=info.bandwidth, trained=spec.context_length)
+                 info: RunInfo, projector: Projector) -> dict:
+    inputs = PointInputs(projector=projector, trained=spec.context_length)
+    planner_picks = projector.picks(settings.backends, settings.contexts)
     entries = [_entry(s, "ok", None, [point(s, c, samples, inputs) for c in settings.contexts])
                for s in lineup.series]
     entries += [_entry(s, "refused", lineup.refused[s.key], []) for s in lineup.refused_series]
@@ -59,9 +59,11 @@ def build_result(settings: BenchSettings, lineup: Lineup, samples: Samples, ref:
         "baseline": {"label": "llama.cpp plain (defaults)", "settings": baseline_settings(settings.threads),
                      "llama_cpp_version": info.llama_cpp_version,
                      "measured": not any(s.baseline for s in lineup.refused_series)},
-        "projection": {"source": "roofline", "bandwidth": info.bandwidth.to_dict(),
+        "projection": {"bandwidth": projector.bandwidth(),
                        "formula": "decode tok/s ≤ bandwidth / (weight bytes + KV bytes at the context)",
-                       "planner": planner_picks is not None},
+                       "planner": "the planner's speed model (localctx.kvcache.speed): calibrated per backend and KV "
+                                  "format where a calibration exists, else the same roofline",
+                       "planner_picks": planner_picks},
         "series": entries,
         "headline": head,
         "quant_vs_fp16": comparisons,

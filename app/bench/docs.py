@@ -86,9 +86,8 @@ def render(result: dict, doc_path: Path) -> str:
               "backend uses, so the comparison is fair) are set. It is measured at every context of every run, "
               "back to back with the other series in a rotating order, so machine drift affects all alike; "
               "'decode vs llama.cpp' is the median of the run-by-run ratios.",
-              f"- Roofline: {result['projection']['formula']}; 'of roofline' is measured decode ÷ that bound."
-              + ("" if result["projection"]["planner"] else " No planner was in this build, so the projection "
-                 "beside each measurement is this roofline, not a planner figure."),
+              f"- Roofline: {result['projection']['formula']}; 'of roofline' is measured decode ÷ that bound. "
+              f"'planner tok/s' is {result['projection']['planner']}, at the same context.",
               "- 'KV held' is what the cache reports; 'KV (cost model)' is localctx's cost model for the same "
               "policy and tokens (llama.cpp's q8_0/q4_0 carry one scale per 32 values, the cost model's groups a "
               "scale and a min, so those two differ slightly on the llama.cpp backend).",

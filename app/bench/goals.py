@@ -3,6 +3,7 @@ measured, with the numbers behind it."""
 from __future__ import annotations
 
 from localctx.app.bench.results import WINDOW_GOAL, decode_at
+from localctx.app.bench.settings import context_label
 from localctx.kvcache.policy import KVPolicy
 
 
@@ -52,14 +53,28 @@ def torch_quant_goal(comparisons: list[dict]) -> dict:
     return {"goal": goal, "status": "fails" if slower else "holds", "detail": detail}
 
 
+def _picks_text(picks: list[dict]) -> str:
+    by_backend: dict[str, list[str]] = {}
+    for p in picks:
+        by_backend.setdefault(p["backend"], []).append(f"{context_label(p['context'])} → {p['policy']}"
+                                                       + ("" if p["fp16_fits"] else " (fp16 does not fit)"))
+    return "; ".join(f"{b} picks " + ", ".join(v) for b, v in by_backend.items())
+
+
 def planner_goal(planner_picks: list[dict] | None, comparisons: list[dict]) -> dict:
     goal = "the planner never picks a quantized KV format the bench shows slower than fp16 when fp16 fits"
-    if planner_picks is None:
-        return {"goal": goal, "status": "not measured", "detail": "no planner in this build"}
-    slower = {(r["backend"], r["policy"]) for r in comparisons if r["ratio"] is not None and r["ratio"] < 1.0}
-    bad = [p for p in planner_picks if p["fp16_fits"] and (p["backend"], p["policy"]) in slower]
-    detail = "; ".join(f"{p['backend']} @ {p['context']}: picks {p['policy']}" for p in planner_picks)
-    return {"goal": goal, "status": "fails" if bad else "holds", "detail": detail}
+    if not planner_picks:
+        return {"goal": goal, "status": "not measured", "detail": "the planner was not asked (no planner picks)"}
+    ratios = {(r["backend"], r["policy"]): r["ratio"] for r in comparisons if r["ratio"] is not None}
+    questioned = [p for p in planner_picks if p["fp16_fits"] and KVPolicy.parse(p["policy"]).quantized
+                  if not p["policy"].startswith("none")]
+    bad = [p for p in questioned if ratios.get((p["backend"], p["policy"]), 1.0) < 1.0]
+    unmeasured = [p for p in questioned if (p["backend"], p["policy"]) not in ratios]
+    status = "fails" if bad else ("not measured" if unmeasured else "holds")
+    detail = _picks_text(planner_picks)
+    if unmeasured:
+        detail += "; not benched beside fp16: " + ", ".join(sorted({f"{p['backend']}/{p['policy']}" for p in unmeasured}))
+    return {"goal": goal, "status": status, "detail": detail}
 
 
 def evaluate(entries: list[dict], head: dict | None, planner_picks: list[dict] | None) -> tuple[list[dict], list[dict]]:

@@ -25,14 +25,14 @@ def pct(x: float | None) -> str:
 def point_cells(p: dict) -> list[str]:
     """The row cells after series and context; 'n/a' / 'error' rows say why in the first cell."""
     if p["status"] != "ok":
-        return [p["status"], "", "", "", "", "", "", ""]  # the reasons are listed under the table
+        return [p["status"]] + [""] * (len(HEADERS) - 3)  # the reasons are listed under the table
     return [tok_s(p["prefill_tok_s"]), tok_s(p["decode_tok_s"]), ratio(p["decode_vs_baseline"]),
             format_bytes(p["kv_bytes"]), format_bytes(p["kv_bytes_projected"]), format_bytes(p["peak_rss_bytes"]),
-            f"{p['roofline_decode_tok_s']:.0f}", pct(p["roofline_fraction"])]
+            f"{p['roofline_decode_tok_s']:.0f}", pct(p["roofline_fraction"]), f"{p['planner_decode_tok_s']:.0f}"]
 
 
 HEADERS = ["series", "context", "prefill tok/s", "decode tok/s", "decode vs llama.cpp", "KV held",
-           "KV (cost model)", "peak RSS", "roofline tok/s", "of roofline"]
+           "KV (cost model)", "peak RSS", "roofline tok/s", "of roofline", "planner tok/s"]
 
 
 def measurements_table(result: dict) -> Table:
@@ -84,7 +84,7 @@ def print_report(result: dict, console: Console) -> None:
         console.print(escape(note))
     bw = result["projection"]["bandwidth"]
     console.print(f"roofline: {result['projection']['formula']}, bandwidth {bw['bytes_s'] / 1e9:.1f} GB/s "
-                  f"({bw['source']}); baseline: plain llama-cpp-python, default settings, "
+                  f"({bw['source']}); planner tok/s: {result['projection']['planner']}; baseline: plain llama-cpp-python, default settings, "
                   f"n_threads={result['settings']['threads']} as localctx uses, measured interleaved in this run")
     if result["headline"]:
         cols, rows = headline_rows(result)

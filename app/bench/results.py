@@ -6,10 +6,9 @@ import statistics
 from dataclasses import dataclass
 
 from localctx.app.bench.measure import Sample
-from localctx.app.bench.projection import Bandwidth, project
+from localctx.app.bench.projection import BASELINE_AS, Projector
 from localctx.app.bench.runner import Samples
 from localctx.app.bench.settings import BASELINE_KEY, Series
-from localctx.kvcache.spec import ModelSpec
 
 WINDOW_GOAL = 0.85
 
@@ -35,8 +34,7 @@ def _paired_ratio(mine: list[Sample], base: list[Sample], field: str) -> float |
 
 @dataclass(frozen=True)
 class PointInputs:
-    spec: ModelSpec
-    bandwidth: Bandwidth
+    projector: Projector
     trained: int
 
 
@@ -50,7 +48,8 @@ def point(series: Series, context: int, samples: Samples, inputs: PointInputs) -
     if not ok:
         return {"context": context, "status": "error", "reason": errors[0] if errors else "not measured"}
     stream_tokens = ok[0].kv_tokens + ok[0].evicted_tokens
-    proj = project(inputs.spec, series.kv_policy, context, stream_tokens, inputs.bandwidth)
+    proj = inputs.projector.project(BASELINE_AS if series.baseline else series.backend, series.kv_policy, context,
+                                    stream_tokens)
     decode = summary([s.decode_tok_s for s in ok])
     base_ok = [s for s in samples.get((BASELINE_KEY, context), []) if s.error is None]
     out = {
@@ -64,7 +63,7 @@ def point(series: Series, context: int, samples: Samples, inputs: PointInputs) -
         "load_s": summary([s.load_s for s in ok])["median"],
         "roofline_decode_tok_s": proj.roofline_decode_tok_s,
         "roofline_fraction": decode["median"] / proj.roofline_decode_tok_s if proj.roofline_decode_tok_s else None,
-        "planner_decode_tok_s": proj.planner_decode_tok_s,
+        "planner_decode_tok_s": proj.planner_decode_tok_s, "planner_basis": proj.planner_basis,
         "decode_vs_baseline": None if series.baseline else _paired_ratio(ok, base_ok, "decode_tok_s"),
         "prefill_vs_baseline": None if series.baseline else _paired_ratio(ok, base_ok, "prefill_tok_s"),
         "samples": [s.to_dict() for s in got],

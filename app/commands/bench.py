@@ -16,7 +16,7 @@ from localctx.app.bench import plots
 from localctx.app.bench.assemble import RunInfo, build_result
 from localctx.app.bench.docs import write_doc
 from localctx.app.bench.machine import describe_machine, load_average
-from localctx.app.bench.projection import detect_bandwidth
+from localctx.app.bench.projection import Projector
 from localctx.app.bench.report import print_report
 from localctx.app.bench.runner import make_lineup, run_bench
 from localctx.app.bench.settings import (DEFAULT_CONTEXTS, DEFAULT_POLICIES, BenchSettings, context_label,
@@ -87,14 +87,13 @@ def measure_all(args: argparse.Namespace, err: Console) -> dict:
     ref, spec = resolve_model(SessionRequest(model=settings.model, backend=settings.backends[0]))
     lineup = make_lineup(settings, ref, spec)
     machine = describe_machine()
-    err.print(f"measuring memory bandwidth for the roofline ({settings.threads} threads)...")
-    bandwidth = detect_bandwidth(settings.threads)
+    projector = Projector(spec, settings.backends)  # detects the hardware (bandwidth measured once, cached)
     started, t0 = _now(), time.perf_counter()
     samples = run_bench(settings, lineup, spec.context_length, err)
     machine["load_average_end"] = load_average()
     info = RunInfo(command=command_line(settings), started=started, finished=_now(), duration_s=time.perf_counter() - t0,
-                   machine=machine, bandwidth=bandwidth, llama_cpp_version=_llama_cpp_version())
-    return build_result(settings, lineup, samples, ref, spec, info)
+                   machine=machine, llama_cpp_version=_llama_cpp_version())
+    return build_result(settings, lineup, samples, ref, spec, info, projector)
 
 
 def _llama_cpp_version() -> str | None:
