@@ -53,6 +53,15 @@ def kv_bytes(spec: ModelSpec, policy: KVPolicy, n_tokens: int) -> int:
     return q_bytes + full_bytes_per_token(spec) * full
 
 
+def paged_kv_bytes(spec: ModelSpec, policy: KVPolicy, n_tokens: int, block_size: int) -> int:
+    """Bytes of the whole blocks a paged full-precision cache holds after ``n_tokens`` tokens:
+    ``kv_bytes`` rounded up to the block (what the pool has reserved, not only what is filled)."""
+    if policy.quantized:
+        raise ValueError("paged_kv_bytes covers full-precision blocks; quantized blocks are sized by kv_bytes")
+    kept = policy.kept_tokens(max(0, n_tokens))
+    return -(-kept // block_size) * block_size * full_bytes_per_token(spec)
+
+
 def max_kv_bytes(spec: ModelSpec, policy: KVPolicy, context: int) -> int:
     """Peak KV bytes over a stream of ``context`` tokens (bounded policies stop growing)."""
     return max(kv_bytes(spec, policy, n) for n in _peak_candidates(policy, context))

@@ -1,0 +1,112 @@
+"""Load a Llama-family GGUF into the torch model: metadata → LlamaConfig, tensors dequantised with
+the ``gguf`` package, and llama.cpp's Q/K row permutation undone (its converter interleaves the
+rotary halves of each head for the ``llama`` architecture; the torch model rotates halves)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from localctx.backends.model_spec import LLAMA_FAMILY, gguf_field, read_gguf
+from localctx.backends.torch.config import LlamaConfig
+from localctx.backends.torch.rope import RopeScaling
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.spec import ModelSpec
+
+# architectures whose GGUF converter permutes the q/k rows (Qwen's converters do not)
+PERMUTED_ARCHS = {"llama", "mistral"}
+
+
+def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of the converter's permute: per head, rows (pair i, half h) go back to (half h, i)."""
+    out_rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return (weight.reshape(n_heads, out_rows // n_heads // 2, 2, *rest)
+            .transpose(1, 2).reshape(out_rows, *rest))
+
+
+def read_config(reader, path: Path) -> LlamaConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in LLAMA_FAMILY:
+        raise UserError(f"unsupported architecture {arch!r} in {path.name}; the torch backend runs the Llama "
+                        f"family ({', '.join(sorted(LLAMA_FAMILY))})")
+
+    def meta(key: str, default=None):
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    def need(key: str):
+        value = meta(key)
+        if value is None:
+            raise UserError(f"{path.name} lacks {arch}.{key} in its metadata; the file is incomplete")
+        return value
+
+    n_heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    scaling_type = str(meta("rope.scaling.type", "none"))
+    if scaling_type == "linear":
+        scaling = RopeScaling("linear", float(meta("rope.scaling.factor", 1.0)))
+    elif scaling_type in ("none", ""):
+        scaling = RopeScaling()
+    else:
+        raise UserError(f"{path.name} uses RoPE scaling {scaling_type!r}, which the torch backend does not run; "
+                        "use --backend llamacpp for this model")
+    return LlamaConfig(
+        architecture=arch, n_layers=int(need("block_count")), hidden_size=hidden, n_heads=n_heads,
+        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
+        head_dim=int(meta("attention.key_length", hidden // n_heads)),
+        intermediate_size=int(need("feed_forward_length")),
+        vocab_size=int(meta("vocab_size", len(tokens.data) if tokens else 0)),
+        context_length=int(need("context_length")),
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        tie_embeddings="output.weight" not in names)
+
+
+def dequantize(tensor) -> torch.Tensor:
+    """One GGUF tensor as float32 in [rows, cols] (GGUF lists dims innermost first)."""
+    from gguf import quants
+
+    try:
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise UserError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
+                        "cannot dequantise; use --backend llamacpp for this file") from None
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+    if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+        data = data.copy()
+    return torch.from_numpy(data)
+
+
+def spec_from(reader, config: LlamaConfig, name: str) -> ModelSpec:
+    """The ModelSpec of an open GGUF (the same figures as model_spec.gguf_spec, without reading
+    the file a second time)."""
+    return ModelSpec(
+        name=name, architecture=config.architecture, n_layers=config.n_layers, n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size, context_length=config.context_length, rope_base=config.rope_base,
+        weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
+        n_params=sum(int(t.n_elements) for t in reader.tensors), intermediate_size=config.intermediate_size)
+
+
+def load_gguf(path: Path, reader=None) -> tuple[LlamaConfig, dict[str, torch.Tensor], torch.Tensor | None, object]:
+    """(config, tensors by GGUF name in the HF layout, rope frequency factors or None, reader)."""
+    reader = reader or read_gguf(path)
+    config = read_config(reader, path)
+    tensors: dict[str, torch.Tensor] = {}
+    freq_factors = None
+    for t in reader.tensors:
+        value = dequantize(t)
+        if t.name == "rope_freqs.weight":
+            freq_factors = value.reshape(-1)
+            continue
+        if config.architecture in PERMUTED_ARCHS and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            value = unpermute_rows(value, config.n_heads)
+        elif config.architecture in PERMUTED_ARCHS and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            value = unpermute_rows(value, config.n_kv_heads)
+        tensors[t.name] = value
+    return config, tensors, freq_factors, reader

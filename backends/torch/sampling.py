@@ -1,0 +1,33 @@
+"""Next-token choice from logits: greedy, or temperature + top-k + top-p with a seeded generator."""
+from __future__ import annotations
+
+import torch
+
+from localctx.backends.base import GenerationParams
+
+
+class Sampler:
+    def __init__(self, params: GenerationParams):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] (float32)."""
+        p = self.params
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        logits = logits.float().cpu() / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)  # keep the nucleus, at least one
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

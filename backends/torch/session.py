@@ -1,0 +1,123 @@
+"""TorchSession: a loaded model with its paged KV cache, behind the foundation's Session contract.
+
+The conversation lives in cache sequence 0. A new prompt that extends what is cached only
+prefills the new suffix (the reused prefix is reported as ``cached_tokens``)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Iterator, Sequence
+
+from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session, StatsClock,
+                                    check_prompt_fits)
+from localctx.backends.chat_template import ChatTemplate
+from localctx.backends.streaming import KVProbe, stream
+from localctx.backends.torch.engine import Engine
+from localctx.backends.torch.sampling import Sampler
+from localctx.backends.torch.tokenizer import TextTokenizer
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.spec import ModelSpec
+
+CONVERSATION = 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TorchSession(Session):
+    backend_name = "torch"
+
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer, spec: ModelSpec, plan: Plan):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.plan = plan
+        self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text)
+        self.history: list[int] = []  # tokens held in the conversation's cache, oldest first
+        self._lock = threading.Lock()
+
+    # -- prompts --------------------------------------------------------------------------
+    def render(self, prompt: Prompt) -> str:
+        return prompt if isinstance(prompt, str) else self.template.render(prompt)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(self.render(prompt))
+
+    def count_tokens(self, prompt: Prompt) -> int:
+        return len(self.tokenize(prompt))
+
+    def capped(self, n_prompt: int, params: GenerationParams) -> GenerationParams:
+        """Refuse prompts that do not fit; generation stops ('length') where the context ends."""
+        check_prompt_fits(n_prompt, self.plan, self.spec, params.max_tokens)
+        room = self.plan.context - n_prompt
+        if room < params.max_tokens:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
+
+    # -- the cache ------------------------------------------------------------------------
+    def kv_probe(self, seq_id: int) -> KVProbe:
+        cache = self.engine.cache
+
+        def read() -> tuple[int, int, int]:
+            if not cache.has(seq_id):
+                return 0, 0, 0
+            return cache.kv_bytes(seq_id), cache.kv_tokens(seq_id), 0
+        return KVProbe(read)
+
+    def reset(self) -> None:
+        if self.engine.cache.has(CONVERSATION):
+            self.engine.cache.finish(CONVERSATION)
+        self.history = []
+
+    def close(self) -> None:
+        self.reset()
+
+    # -- generation -----------------------------------------------------------------------
+    def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
+                 cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+        ids = self.tokenize(prompt)
+        params = self.capped(len(ids), params)
+        cache = self.engine.cache
+        if not cache.has(CONVERSATION):
+            cache.add_sequence(CONVERSATION)
+            self.history = []
+        reused = min(common_prefix(self.history, ids), len(ids) - 1)  # at least one token is prefilled
+        cache.truncate(CONVERSATION, reused)
+        self.history = self.history[:reused]
+        clock = StatsClock(backend="torch", policy=str(self.plan.policy), prompt_tokens=len(ids),
+                           cached_tokens=reused)
+        sampler = Sampler(params)
+
+        def tokens() -> Iterator[int]:
+            with self._lock:
+                try:
+                    logits = self.engine.prefill(CONVERSATION, ids[reused:])
+                except BaseException:
+                    cache.truncate(CONVERSATION, len(self.history))  # keep cache and history in step
+                    raise
+                self.history.extend(ids[reused:])
+                while True:
+                    tok = sampler.sample(logits)
+                    yield tok
+                    logits = self.engine.decode([CONVERSATION], [tok])[0]
+                    self.history.append(tok)
+
+        yield from stream(tokens(), token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos_ids,
+                          params=params, clock=clock, probe=self.kv_probe(CONVERSATION), cancel=cancel)
+
+    def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams = GenerationParams(),
+                       cancel: threading.Event | None = None) -> Iterator[tuple[int, GenerationEvent]]:
+        from localctx.backends.torch.batch import BatchRun
+
+        if not prompts:
+            raise UserError("generate_batch needs at least one prompt")
+        self.reset()  # the batch needs the pool; the conversation is forgotten, as the contract says
+        with self._lock:
+            yield from BatchRun(self, prompts, params, cancel).events()

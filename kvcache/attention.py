@@ -1,0 +1,77 @@
+"""Paged attention: the pure-torch reference every fused kernel (CUDA, Metal) replaces behind
+the same signature.
+
+Keys sit in blocks of a pool (``k_blocks``: [n_blocks, block_size, n_kv_heads, head_dim]).
+A sequence's keys are its blocks in block-table order; the key at index ``j`` of that list is
+at position ``j`` *in the cache* (DESIGN.md "KV policies"), and a query at position ``p`` sees
+keys ``0..p``. Keys are stored either already rotated at their in-cache position
+(``key_rope=None``) or before RoPE, in which case ``key_rope`` rotates them here."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Rotary(Protocol):
+    """RoPE as the model defines it (base, scaling); the cache calls it, the model builds it."""
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x``: [B, T, H, D]; ``positions``: [B, T] integer positions. Returns x rotated."""
+        ...
+
+
+def gather_blocks(blocks: torch.Tensor, block_tables: torch.Tensor, contiguous_from: int | None = None
+                  ) -> torch.Tensor:
+    """[n_blocks, bs, H, D] + [B, n] block ids → [B, n*bs, H, D].
+
+    ``contiguous_from``: when the batch is one sequence whose blocks are the consecutive ids
+    ``contiguous_from .. contiguous_from+n-1``, the result is a view (no copy)."""
+    B, n = block_tables.shape
+    _, bs, H, D = blocks.shape
+    if contiguous_from is not None and B == 1:
+        return blocks[contiguous_from:contiguous_from + n].reshape(1, n * bs, H, D)
+    return blocks[block_tables].reshape(B, n * bs, H, D)
+
+
+def causal_mask(q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """[B, 1, T, L] bool: key j is visible to the query at position p iff j <= p."""
+    keys = torch.arange(n_keys, device=q_positions.device)
+    return (keys[None, None, :] <= q_positions[:, :, None])[:, None]
+
+
+def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                    block_tables: torch.Tensor, q_positions: torch.Tensor, *,
+                    key_rope: Rotary | None = None, scale: float | None = None,
+                    contiguous_from: int | None = None) -> torch.Tensor:
+    """Causal grouped-query attention over paged K/V.
+
+    q: [B, T, n_heads, D], already rotated at ``q_positions`` ([B, T]); the new tokens' K/V
+    are already written into the blocks. Returns [B, T, n_heads, D]."""
+    B, T, H, D = q.shape
+    k = gather_blocks(k_blocks, block_tables, contiguous_from)
+    v = gather_blocks(v_blocks, block_tables, contiguous_from)
+    L = k.shape[1]
+    if key_rope is not None:
+        pos = torch.arange(L, device=q.device).expand(B, L)
+        k = key_rope.rotate(k, pos)
+    mask = causal_mask(q_positions, L)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=H != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """The same attention without blocks, written out in plain matmuls: the tests' reference.
+
+    q: [B, T, H, D]; k, v: [B, L, Hkv, D] (rotated); q_positions: [B, T]."""
+    B, T, H, D = q.shape
+    group = H // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,blhd->bhtl", q.float(), k.float()) * (scale or D ** -0.5)
+    scores = scores.masked_fill(~causal_mask(q_positions, k.shape[1]), float("-inf"))
+    return torch.einsum("bhtl,blhd->bthd", scores.softmax(-1), v.float()).to(q.dtype)

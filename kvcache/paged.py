@@ -1,0 +1,171 @@
+"""The full-precision paged KV cache: K/V tensors for every layer, preallocated and cut into the
+blocks a ``BlockPool`` hands out.
+
+The seam with the model (kept identical for the quantized / evicting caches):
+
+    cache.begin_step(seq_ids, n_new)          # which sequences run this forward, T new tokens each
+    out = cache.attend(layer_idx, q, k, v)     # once per layer; q/k/v before RoPE
+    cache.end_step()                           # (optional) the forward is over
+
+q: [B, T, n_heads, head_dim]; k, v: [B, T, n_kv_heads, head_dim]; out: like q. The cache rotates
+queries and keys at their positions *in the cache* with the model's ``Rotary``, appends K/V to
+the sequences' blocks and runs ``paged_attention``. This cache never re-indexes positions (it
+evicts nothing), so it stores keys already rotated: each key is rotated once, when written."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from localctx.kvcache.attention import Rotary, paged_attention
+from localctx.kvcache.block_pool import BlockPool, PoolExhausted
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    n_blocks: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers (equals cost.full_bytes_per_token)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.elem_bytes
+
+    @classmethod
+    def for_tokens(cls, n_tokens: int, *, block_size: int = DEFAULT_BLOCK_SIZE, **kw) -> "CacheShape":
+        return cls(n_blocks=max(1, -(-n_tokens // block_size)), block_size=block_size, **kw)
+
+
+@dataclass
+class StepLayout:
+    """Where the new tokens of one forward go, computed once and shared by all layers."""
+    seq_ids: tuple[int, ...]
+    n_new: int
+    q_positions: torch.Tensor  # [B, T] in-cache positions of the new tokens
+    slots: torch.Tensor  # [B*T] flat slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [B, n] padded with block 0 (masked out by position)
+    contiguous_from: int | None  # one sequence whose blocks are consecutive: first block id
+
+
+class PagedKVCache:
+    def __init__(self, shape: CacheShape, rope: Rotary):
+        self.shape = shape
+        self.rope = rope
+        self.pool = BlockPool(shape.n_blocks, shape.block_size)
+        dims = (shape.n_layers, shape.n_blocks, shape.block_size, shape.n_kv_heads, shape.head_dim)
+        self.k = torch.zeros(dims, dtype=shape.dtype, device=shape.device)
+        self.v = torch.zeros(dims, dtype=shape.dtype, device=shape.device)
+        self.step: StepLayout | None = None
+
+    # -- sequences ---------------------------------------------------------------------------
+    def add_sequence(self, seq_id: int) -> None:
+        self.pool.admit(seq_id)
+
+    def finish(self, seq_id: int) -> None:
+        self.pool.finish(seq_id)
+
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        """Forget every token of the sequence after the first ``n_tokens`` (a conversation that
+        diverged from what is cached keeps only the common prefix)."""
+        self.pool.truncate(seq_id, n_tokens)
+
+    def reset(self) -> None:
+        self.pool.reset()
+
+    def length(self, seq_id: int) -> int:
+        return self.pool.length(seq_id)
+
+    def has(self, seq_id: int) -> bool:
+        return self.pool.has(seq_id)
+
+    def can_admit(self, n_tokens: int) -> bool:
+        """Whether a new sequence of up to ``n_tokens`` tokens fits in the free blocks."""
+        return self.pool.can_fit(self.pool.blocks_for(n_tokens))
+
+    # -- accounting (equals kvcache.cost for the same policy and token count) -----------------
+    def kv_bytes(self, seq_id: int | None = None) -> int:
+        """Bytes of the K/V the cache holds for one sequence, or all of them."""
+        ids = self.pool.sequences() if seq_id is None else [seq_id]
+        return sum(self.pool.length(s) for s in ids) * self.shape.bytes_per_token
+
+    def reserved_bytes(self, seq_id: int | None = None) -> int:
+        """Bytes of the blocks the sequences hold (tokens rounded up to whole blocks)."""
+        if seq_id is None:
+            blocks = self.pool.used_blocks
+        else:
+            blocks = len(self.pool.block_table(seq_id))
+        return blocks * self.shape.block_size * self.shape.bytes_per_token
+
+    def pool_bytes(self) -> int:
+        """Bytes preallocated for the whole pool (what the process holds)."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def kv_tokens(self, seq_id: int | None = None) -> int:
+        ids = self.pool.sequences() if seq_id is None else [seq_id]
+        return sum(self.pool.length(s) for s in ids)
+
+    # -- the forward seam --------------------------------------------------------------------
+    def begin_step(self, seq_ids: Sequence[int], n_new: int | Sequence[int]) -> None:
+        """Reserve room for ``n_new`` new tokens in each sequence (all the same count: chunked
+        prefill is one sequence with T tokens, batched decode B sequences with 1 each)."""
+        counts = [n_new] * len(seq_ids) if isinstance(n_new, int) else list(n_new)
+        if len(set(counts)) != 1 or counts[0] < 1:
+            raise ValueError(f"every sequence in a step must add the same positive number of tokens, got {counts}")
+        T = counts[0]
+        pool = self.pool
+        need = sum(pool.blocks_for(pool.length(s) + T) - len(pool.block_table(s)) for s in seq_ids)
+        if not pool.can_fit(need):
+            raise PoolExhausted(f"the KV pool is full ({pool.n_blocks} blocks of {pool.block_size} tokens, "
+                                f"{pool.free_blocks} free, {need} needed); give a larger --context or a smaller batch")
+        starts = [pool.length(s) for s in seq_ids]
+        for s in seq_ids:
+            pool.grow(s, T)
+        self.step = self._layout(tuple(seq_ids), T, starts)
+
+    def _layout(self, seq_ids: tuple[int, ...], T: int, starts: list[int]) -> StepLayout:
+        bs = self.shape.block_size
+        dev = self.shape.device
+        tables = [self.pool.block_table(s) for s in seq_ids]
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+        offsets = torch.arange(T, device=dev)
+        q_positions = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + offsets[None, :]
+        slots = (block_tables.gather(1, q_positions // bs) * bs + q_positions % bs).reshape(-1)
+        contiguous = None
+        if len(seq_ids) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + len(tables[0]))):
+            contiguous = tables[0][0]
+        return StepLayout(seq_ids, T, q_positions, slots, block_tables, contiguous)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        step = self.step
+        if step is None:
+            raise RuntimeError("attend() called outside a step: call begin_step(seq_ids, n_new) first")
+        B, T, _, _ = q.shape
+        if B != len(step.seq_ids) or T != step.n_new:
+            raise ValueError(f"attend got [B={B}, T={T}] but the step has {len(step.seq_ids)} sequences "
+                             f"of {step.n_new} new tokens")
+        q = self.rope.rotate(q, step.q_positions)
+        k = self.rope.rotate(k, step.q_positions)
+        kl = self.k[layer_idx]
+        vl = self.v[layer_idx]
+        flat = (-1, self.shape.n_kv_heads, self.shape.head_dim)
+        kl.view(flat).index_copy_(0, step.slots, k.reshape(flat).to(kl.dtype))
+        vl.view(flat).index_copy_(0, step.slots, v.reshape(flat).to(vl.dtype))
+        return paged_attention(q, kl, vl, step.block_tables, step.q_positions,
+                               contiguous_from=step.contiguous_from)
+
+    def end_step(self) -> None:
+        self.step = None
