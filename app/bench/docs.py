@@ -39,6 +39,7 @@ def machine_lines(result: dict) -> list[str]:
              f"llama-cpp-python {result['baseline'].get('llama_cpp_version') or 'n/a'}",
              f"- Memory bandwidth for the roofline: {result['projection']['bandwidth']['bytes_s'] / 1e9:.1f} GB/s "
              f"({result['projection']['bandwidth']['source']})",
+             f"- What the planner knows of this machine: {result['projection']['bandwidth']['planner_hardware']}",
              f"- {shared_note(m)}"]
     return lines
 

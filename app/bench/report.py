@@ -84,7 +84,8 @@ def print_report(result: dict, console: Console) -> None:
         console.print(escape(note))
     bw = result["projection"]["bandwidth"]
     console.print(f"roofline: {result['projection']['formula']}, bandwidth {bw['bytes_s'] / 1e9:.1f} GB/s "
-                  f"({bw['source']}); planner tok/s: {result['projection']['planner']}; baseline: plain llama-cpp-python, default settings, "
+                  f"({bw['source']}); planner tok/s: {result['projection']['planner']}, planning for "
+                  f"{bw['planner_hardware']}; baseline: plain llama-cpp-python, default settings, "
                   f"n_threads={result['settings']['threads']} as localctx uses, measured interleaved in this run")
     if result["headline"]:
         cols, rows = headline_rows(result)

@@ -3,7 +3,7 @@
 A worker reads one JSON request per line on stdin and answers one JSON sample per line. Its own
 stdout is moved to stderr at start, so anything a native library prints cannot corrupt the answers;
 stderr goes to a log file in the output folder. One process per series means a crash costs that
-measurement only, the baseline process never imports localctx's backends, and peak memory belongs to
+measurement only, the baseline process never loads a localctx backend, and peak memory belongs to
 one series. Run as ``python -m localctx.app.bench.worker``."""
 from __future__ import annotations
 
