@@ -79,7 +79,8 @@ def test_paired_ratio_uses_run_by_run_ratios():
 def _entry(backend: str, policy: str, decode: dict[int, float], baseline: bool = False) -> dict:
     key = "llama-cpp-python" if baseline else f"{backend}/{policy}"
     points = [{"context": c, "status": "ok", "decode_tok_s": {"median": v}} for c, v in decode.items()]
-    return {"key": key, "label": key, "backend": backend, "policy": policy, "baseline": baseline, "points": points}
+    return {"key": key, "label": key, "backend": backend, "policy": policy, "baseline": baseline, "status": "ok",
+            "points": points}
 
 
 def test_headline_and_goals_from_measured_points():
@@ -94,6 +95,8 @@ def test_headline_and_goals_from_measured_points():
     ratios = {r["series"]: r["ratio"] for r in head["rows"]}
     assert ratios["llama-cpp-python"] == pytest.approx(0.32)
     assert ratios["torch/int8+sink4+win1024"] == pytest.approx(0.9)
+    versus = {r["series"]: r["vs_baseline_ratio"] for r in head["rows"]}
+    assert versus["torch/int8+sink4+win1024"] == pytest.approx(0.9 / 0.32)
     rows, comparisons = goals.evaluate(entries, head, planner_picks=None)
     status = {g["goal"].split()[0]: g["status"] for g in rows}
     assert status["policies"] == "fails"  # fp16+sink4+win1024 holds only 0.75

@@ -53,12 +53,13 @@ def measurements_table(result: dict) -> Table:
 def headline_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     head = result["headline"]
     labels = {e["key"]: e["label"] for e in result["series"]}
-    cols = ["series", f"decode {context_label(head['long'])} ÷ decode {context_label(head['short'])}"]
+    cols = ["series", f"decode {context_label(head['long'])} ÷ decode {context_label(head['short'])}",
+            "÷ llama.cpp's ratio"]
     if head.get("far"):
         cols.append(f"decode {context_label(head['far'])} ÷ decode {context_label(head['short'])}")
     rows = []
     for r in head["rows"]:
-        row = [labels[r["series"]], ratio(r["ratio"], "")]
+        row = [labels[r["series"]], ratio(r["ratio"], ""), ratio(r.get("vs_baseline_ratio"))]
         if head.get("far"):
             row.append(ratio(r.get("ratio_far"), "") or "n/a")
         rows.append(row)

@@ -98,4 +98,7 @@ def headline(entries: list[dict], contexts: list[int], trained: int) -> dict | N
             far = decode_at(e, contexts[-1])
             row["ratio_far"] = far / short if short and far else None
         rows.append(row)
+    base = next((r["ratio"] for r in rows if r["series"] == BASELINE_KEY), None)
+    for row in rows:
+        row["vs_baseline_ratio"] = row["ratio"] / base if base and row["ratio"] is not None else None
     return {"short": lo, "long": hi, "far": contexts[-1] if contexts[-1] > hi else None, "rows": rows}

@@ -69,12 +69,12 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     return settings
 
 
-def command_line(settings: BenchSettings) -> str:
+def command_line(settings: BenchSettings, doc: str | None) -> str:
     """The command that reproduces this run, every setting spelled out."""
     words = ["localctx", "bench"] + (["-m", settings.model] if settings.model else [])
     words += ["--backend", ",".join(settings.backends), "--kv", ",".join(settings.policies),
               "--contexts", ",".join(context_label(c) for c in settings.contexts), "--runs", str(settings.runs),
-              "--gen-tokens", str(settings.gen_tokens), "--out", settings.out]
+              "--gen-tokens", str(settings.gen_tokens), "--out", settings.out] + (["--doc", doc] if doc else [])
     return shlex.join(words)
 
 
@@ -91,7 +91,7 @@ def measure_all(args: argparse.Namespace, err: Console) -> dict:
     started, t0 = _now(), time.perf_counter()
     samples = run_bench(settings, lineup, spec.context_length, err)
     machine["load_average_end"] = load_average()
-    info = RunInfo(command=command_line(settings), started=started, finished=_now(), duration_s=time.perf_counter() - t0,
+    info = RunInfo(command=command_line(settings, args.doc), started=started, finished=_now(), duration_s=time.perf_counter() - t0,
                    machine=machine, llama_cpp_version=_llama_cpp_version())
     return build_result(settings, lineup, samples, ref, spec, info, projector)
 
