@@ -31,7 +31,7 @@ def fake_run(tmp_path_factory):
 def test_run_writes_json_and_png_plots(fake_run):
     code, out, result = fake_run
     assert code == 0
-    assert result["schema"] == "localctx.bench/1"
+    assert result["schema"] == "localctx.bench/2"
     assert result["plots"] == ["bench-decode.png", "bench-kv.png", "bench-prefill.png"]
     for name in result["plots"]:
         data = (out / name).read_bytes()
@@ -122,3 +122,15 @@ def test_from_json_rejects_a_file_that_is_not_a_bench_result(cli, tmp_path):
     bad.write_text('{"hello": 1}')
     r = cli("bench", "--from-json", str(bad), "--out", str(tmp_path))
     assert r.code == 2 and "not a localctx bench result" in r.err
+    bad.write_text('{"schema": "localctx.bench/1"}')
+    r = cli("bench", "--from-json", str(bad), "--out", str(tmp_path))
+    assert r.code == 2 and "another version" in r.err
+
+
+def test_from_json_with_a_truncated_result_is_a_one_line_error(fake_run, cli, tmp_path):
+    _, out, result = fake_run
+    del result["projection"]
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps(result))
+    r = cli("bench", "--from-json", str(cut), "--out", str(tmp_path / "o"))
+    assert r.code == 2 and "missing 'projection'" in r.err and "Traceback" not in r.err

@@ -14,7 +14,7 @@ from localctx.app.bench.settings import BenchSettings, Series
 from localctx.backends.modelref import ModelRef
 from localctx.kvcache.spec import ModelSpec
 
-SCHEMA = "localctx.bench/1"
+SCHEMA = "localctx.bench/2"
 
 
 @dataclass

@@ -25,7 +25,9 @@ def _pyplot():
 
 def _style(entry: dict) -> dict:
     if entry["baseline"]:
-        return {"color": "black", "linestyle": "--", "marker": "s"}
+        # on top and hollow, so a localctx series that matches it stays visible underneath
+        return {"color": "black", "linestyle": "--", "marker": "s", "markerfacecolor": "none", "markersize": 9,
+                "zorder": 5}
     return {"marker": "o"}
 
 

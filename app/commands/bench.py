@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from localctx.app.bench import plots
-from localctx.app.bench.assemble import RunInfo, build_result
+from localctx.app.bench.assemble import SCHEMA, RunInfo, build_result
 from localctx.app.bench.docs import write_doc
 from localctx.app.bench.machine import describe_machine, load_average
 from localctx.app.bench.projection import Projector
@@ -111,14 +111,24 @@ def load_saved(path: str) -> dict:
     except (OSError, ValueError) as exc:
         raise UserError(f"--from-json {path}: cannot read a bench result ({exc}); give a bench.json that "
                         "localctx bench wrote") from None
-    if not isinstance(result, dict) or result.get("schema", "").split("/")[0] != "localctx.bench":
+    if not isinstance(result, dict) or not str(result.get("schema", "")).startswith("localctx.bench/"):
         raise UserError(f"--from-json {path} is not a localctx bench result; give a bench.json from --out")
+    if result["schema"] != SCHEMA:
+        raise UserError(f"--from-json {path} was written by another version of localctx bench ({result['schema']}, "
+                        f"this one reads {SCHEMA}); run the bench again")
     return result
 
 
 def handle(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     result = load_saved(args.from_json) if args.from_json else measure_all(args, err)
+    try:
+        return write_outputs(result, args, err)
+    except (KeyError, TypeError) as exc:  # only a hand-edited or truncated saved file gets here
+        raise UserError(f"the bench result is missing {exc} (edited or truncated?); run the bench again") from None
+
+
+def write_outputs(result: dict, args: argparse.Namespace, err: Console) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.no_plots:
