@@ -134,3 +134,13 @@ def test_from_json_with_a_truncated_result_is_a_one_line_error(fake_run, cli, tm
     cut.write_text(json.dumps(result))
     r = cli("bench", "--from-json", str(cut), "--out", str(tmp_path / "o"))
     assert r.code == 2 and "missing 'projection'" in r.err and "Traceback" not in r.err
+
+
+def test_max_minutes_keeps_whole_runs_and_says_so(cli, tmp_path):
+    r = cli("bench", "--backend", "fake", "--kv", "fp16", "--contexts", "128,256", "--runs", "3", "--gen-tokens", "8",
+            "--max-minutes", "0.00001", "--out", str(tmp_path), "--no-plots")
+    assert r.code == 0 and "stopped after 1 of 3 runs" in r.out
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert (result["settings"]["runs"], result["settings"]["runs_asked"]) == (1, 3)
+    assert all(p["runs"] == 1 for e in result["series"] for p in e["points"] if p["status"] == "ok")
+    assert "--max-minutes 1e-05" in result["command"]

@@ -7,7 +7,7 @@ from localctx.app.bench import goals
 from localctx.app.bench.measure import Sample
 from localctx.app.bench.prompt import fit_text
 from localctx.app.bench.results import _paired_ratio, headline, summary
-from localctx.app.bench.runner import schedule
+from localctx.app.bench.runner import over_budget, schedule
 from localctx.app.bench.settings import BenchSettings, Series, parse_contexts, policies_from
 from localctx.kvcache.errors import UserError
 
@@ -113,3 +113,10 @@ def test_planner_goal_flags_a_quantized_pick_that_measured_slower():
     assert goals.planner_goal(picks, comparisons)["status"] == "fails"
     picks[0]["fp16_fits"] = False  # quantized because fp16 does not fit: allowed
     assert goals.planner_goal(picks, comparisons)["status"] == "holds"
+
+
+def test_time_budget_stops_only_between_whole_runs():
+    assert not over_budget(0.0, 100.0, 0, 1.0)  # the first run always happens
+    assert not over_budget(0.0, 25.0, 1, 1.0)  # 25 s done + 25 s more fits a minute
+    assert over_budget(0.0, 35.0, 1, 1.0)  # 35 + 35 does not
+    assert not over_budget(0.0, 1e6, 3, None)  # no budget: never stops

@@ -9,7 +9,7 @@ from localctx.app.bench import goals
 from localctx.app.bench.baseline import baseline_settings
 from localctx.app.bench.projection import Projector
 from localctx.app.bench.results import PointInputs, headline, point
-from localctx.app.bench.runner import Lineup, Samples
+from localctx.app.bench.runner import Lineup, Outcome
 from localctx.app.bench.settings import BenchSettings, Series
 from localctx.backends.modelref import ModelRef
 from localctx.kvcache.spec import ModelSpec
@@ -39,8 +39,9 @@ def _entry(series: Series, status: str, reason: str | None, points: list[dict]) 
             "baseline": series.baseline, "exact": policy.exact, "status": status, "reason": reason, "points": points}
 
 
-def build_result(settings: BenchSettings, lineup: Lineup, samples: Samples, ref: ModelRef, spec: ModelSpec,
+def build_result(settings: BenchSettings, lineup: Lineup, outcome: Outcome, ref: ModelRef, spec: ModelSpec,
                  info: RunInfo, projector: Projector) -> dict:
+    samples = outcome.samples
     inputs = PointInputs(projector=projector, trained=spec.context_length)
     planner_picks = projector.picks(settings.backends, settings.contexts)
     entries = [_entry(s, "ok", None, [point(s, c, samples, inputs) for c in settings.contexts])
@@ -55,7 +56,9 @@ def build_result(settings: BenchSettings, lineup: Lineup, samples: Samples, ref:
         "machine": info.machine,
         "model": {"ref": settings.model or "default", "name": spec.name, "path": str(ref.path), "spec": spec.to_dict()},
         "settings": {"backends": settings.backends, "policies": settings.policies, "contexts": settings.contexts,
-                     "runs": settings.runs, "gen_tokens": settings.gen_tokens, "threads": settings.threads},
+                     "runs": outcome.runs_done, "runs_asked": settings.runs, "stopped": outcome.stopped,
+                     "max_minutes": settings.max_minutes, "gen_tokens": settings.gen_tokens,
+                     "threads": settings.threads},
         "baseline": {"label": "llama.cpp plain (defaults)", "settings": baseline_settings(settings.threads),
                      "llama_cpp_version": info.llama_cpp_version,
                      "measured": not any(s.baseline for s in lineup.refused_series)},

@@ -62,7 +62,8 @@ def render(result: dict, doc_path: Path) -> str:
     lines = ["# Benchmarks: speed and memory against context (`localctx bench`)", "",
              f"Measured {result['started']} ({result['duration_s']:.0f} s) with the model {result['model']['name']} "
              f"(`{Path(result['model']['path']).name}`). Figures are medians of {s['runs']} runs, "
-             f"each decoding {s['gen_tokens']} tokens after a prompt that fills the context.", "",
+             f"each decoding {s['gen_tokens']} tokens after a prompt that fills the context"
+             + (f" ({s['stopped']})." if s.get("stopped") else "."), "",
              "## Machine", "", *machine_lines(result), "",
              "## Command", "", "```", result["command"], "```", "",
              f"This page is regenerated from the saved run without measuring: `{regenerate}`.", ""]

@@ -81,6 +81,8 @@ def footnotes(result: dict) -> list[str]:
 
 def print_report(result: dict, console: Console) -> None:
     console.print(measurements_table(result))
+    if result["settings"].get("stopped"):
+        console.print(escape(result["settings"]["stopped"]))
     for note in footnotes(result):
         console.print(escape(note))
     bw = result["projection"]["bandwidth"]

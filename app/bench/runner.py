@@ -2,6 +2,7 @@
 series back to back (in an order that rotates), so machine drift hits all of them alike."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,17 +84,39 @@ def schedule(series: list[Series], contexts: list[int], runs: int, trained: int)
 Samples = dict[tuple[str, int], list[Sample]]
 
 
-def run_bench(settings: BenchSettings, lineup: Lineup, trained: int, console: Console) -> Samples:
+@dataclass
+class Outcome:
+    samples: Samples
+    runs_done: int
+    stopped: str | None = None  # why fewer runs than asked were made
+
+
+def over_budget(started: float, now: float, runs_done: int, max_minutes: float | None) -> bool:
+    """Would one more run (as long as the runs so far took on average) pass ``max_minutes``?"""
+    if max_minutes is None or runs_done == 0:
+        return False
+    elapsed = now - started
+    return elapsed + elapsed / runs_done > max_minutes * 60
+
+
+def run_bench(settings: BenchSettings, lineup: Lineup, trained: int, console: Console) -> Outcome:
     plan = schedule(lineup.series, settings.contexts, settings.runs, trained)
     logs = Path(settings.out) / "logs"
     workers = {s.key: Worker(s.key, logs / f"{s.key.replace('/', '_')}.log") for s in lineup.series}
     samples: Samples = {}
+    started, runs_done, stopped = time.perf_counter(), 0, None
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("eta"), TimeRemainingColumn())
     try:
         with Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task("bench", total=len(plan))
             for run, context, series in plan:
+                if run > runs_done:  # a run is complete: every series at every context
+                    runs_done = run
+                    if over_budget(started, time.perf_counter(), runs_done, settings.max_minutes):
+                        stopped = (f"stopped after {runs_done} of {settings.runs} runs: another would pass "
+                                   f"--max-minutes {settings.max_minutes:g}")
+                        break
                 progress.update(task, description=f"run {run + 1}/{settings.runs} · {context_label(context):>4} · "
                                                   f"{series.key}")
                 req = MeasureRequest(backend=series.backend, policy=series.policy, model=settings.model,
@@ -101,7 +124,11 @@ def run_bench(settings: BenchSettings, lineup: Lineup, trained: int, console: Co
                                      baseline=series.baseline)
                 samples.setdefault((series.key, context), []).append(workers[series.key].measure(req))
                 progress.advance(task)
+            else:
+                runs_done = settings.runs
     finally:
         for worker in workers.values():
             worker.close()
-    return samples
+    if stopped:
+        console.print(stopped)
+    return Outcome(samples, runs_done, stopped)

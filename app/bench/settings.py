@@ -63,11 +63,14 @@ class BenchSettings:
     gen_tokens: int = 32
     out: str = "bench-out"
     threads: int = 1
+    max_minutes: float | None = None
     series: list[Series] = field(default_factory=list)
 
     def check(self) -> None:
         if self.runs < 1:
             raise UserError(f"--runs {self.runs} must be at least 1")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise UserError(f"--max-minutes {self.max_minutes:g} must be positive")
         if not 4 <= self.gen_tokens <= 1024:
             raise UserError(f"--gen-tokens {self.gen_tokens} must be between 4 and 1024")
         too_short = [c for c in self.contexts if c <= self.gen_tokens + 16]

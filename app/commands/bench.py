@@ -40,6 +40,9 @@ def register(sub) -> None:
     p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help=f"context lengths (default {DEFAULT_CONTEXTS})")
     p.add_argument("--runs", type=int, default=3, help="runs per point; medians are reported (default 3)")
     p.add_argument("--gen-tokens", type=int, default=32, help="tokens decoded per measurement (default 32)")
+    p.add_argument("--max-minutes", type=float, default=None, metavar="M",
+                   help="start no further run once another would pass M minutes (each run covers every series "
+                        "and context, so the runs made stay paired); the report says how many were made")
     p.add_argument("--out", default="bench-out", help="output folder for bench.json and the plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--from-json", default=None, metavar="FILE",
@@ -64,7 +67,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     settings = BenchSettings(model=args.model, backends=backends,
                              policies=policies_from(_split(args.kv) or list(DEFAULT_POLICIES)),
                              contexts=parse_contexts(args.contexts), runs=args.runs, gen_tokens=args.gen_tokens,
-                             out=args.out, threads=default_threads())
+                             out=args.out, threads=default_threads(), max_minutes=args.max_minutes)
     settings.check()
     return settings
 
@@ -74,7 +77,9 @@ def command_line(settings: BenchSettings, doc: str | None) -> str:
     words = ["localctx", "bench"] + (["-m", settings.model] if settings.model else [])
     words += ["--backend", ",".join(settings.backends), "--kv", ",".join(settings.policies),
               "--contexts", ",".join(context_label(c) for c in settings.contexts), "--runs", str(settings.runs),
-              "--gen-tokens", str(settings.gen_tokens), "--out", settings.out] + (["--doc", doc] if doc else [])
+              "--gen-tokens", str(settings.gen_tokens)]
+    words += (["--max-minutes", f"{settings.max_minutes:g}"] if settings.max_minutes else [])
+    words += ["--out", settings.out] + (["--doc", doc] if doc else [])
     return shlex.join(words)
 
 
@@ -89,11 +94,11 @@ def measure_all(args: argparse.Namespace, err: Console) -> dict:
     machine = describe_machine()
     projector = Projector(spec, settings.backends)  # detects the hardware (bandwidth measured once, cached)
     started, t0 = _now(), time.perf_counter()
-    samples = run_bench(settings, lineup, spec.context_length, err)
+    outcome = run_bench(settings, lineup, spec.context_length, err)
     machine["load_average_end"] = load_average()
     info = RunInfo(command=command_line(settings, args.doc), started=started, finished=_now(), duration_s=time.perf_counter() - t0,
                    machine=machine, llama_cpp_version=_llama_cpp_version())
-    return build_result(settings, lineup, samples, ref, spec, info, projector)
+    return build_result(settings, lineup, outcome, ref, spec, info, projector)
 
 
 def _llama_cpp_version() -> str | None:
