@@ -3,6 +3,7 @@ the JSON's shape, the plots, re-rendering a saved run, and bad input."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -144,3 +145,11 @@ def test_max_minutes_keeps_whole_runs_and_says_so(cli, tmp_path):
     assert (result["settings"]["runs"], result["settings"]["runs_asked"]) == (1, 3)
     assert all(p["runs"] == 1 for e in result["series"] for p in e["points"] if p["status"] == "ok")
     assert "--max-minutes 1e-05" in result["command"]
+
+
+def test_without_matplotlib_the_json_is_kept_and_the_fix_is_named(fake_run, cli, tmp_path, monkeypatch):
+    _, out, _ = fake_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    r = cli("bench", "--from-json", str(out / "bench.json"), "--out", str(tmp_path))
+    assert r.code == 2 and "pip install 'localctx[bench]'" in r.err
+    assert json.loads((tmp_path / "bench.json").read_text())["plots"] == []

@@ -16,7 +16,8 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UserError("plots need matplotlib: pip install 'localctx[bench]' (or pass --no-plots)") from None
+        raise UserError("the table and bench.json are written, but plots need matplotlib: "
+                        "pip install 'localctx[bench]' (or pass --no-plots)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

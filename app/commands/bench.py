@@ -96,8 +96,8 @@ def measure_all(args: argparse.Namespace, err: Console) -> dict:
     started, t0 = _now(), time.perf_counter()
     outcome = run_bench(settings, lineup, spec.context_length, err)
     machine["load_average_end"] = load_average()
-    info = RunInfo(command=command_line(settings, args.doc), started=started, finished=_now(), duration_s=time.perf_counter() - t0,
-                   machine=machine, llama_cpp_version=_llama_cpp_version())
+    info = RunInfo(command=command_line(settings, args.doc), started=started, finished=_now(),
+                   duration_s=time.perf_counter() - t0, machine=machine, llama_cpp_version=_llama_cpp_version())
     return build_result(settings, lineup, outcome, ref, spec, info, projector)
 
 
@@ -126,20 +126,25 @@ def load_saved(path: str) -> dict:
 
 def handle(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
-    result = load_saved(args.from_json) if args.from_json else measure_all(args, err)
+    if not args.from_json:
+        return write_outputs(measure_all(args, err), args, err)
+    result = load_saved(args.from_json)
     try:
         return write_outputs(result, args, err)
-    except (KeyError, TypeError) as exc:  # only a hand-edited or truncated saved file gets here
-        raise UserError(f"the bench result is missing {exc} (edited or truncated?); run the bench again") from None
+    except (KeyError, TypeError) as exc:  # a hand-edited or truncated saved file
+        raise UserError(f"--from-json {args.from_json} is missing {exc} (edited or truncated?); "
+                        "run the bench again") from None
 
 
 def write_outputs(result: dict, args: argparse.Namespace, err: Console) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    result["plots"] = []
+    (out / RESULT_JSON).write_text(json.dumps(result, indent=1) + "\n")  # saved before anything can fail
+    print_report(result, Console(width=200) if not sys.stdout.isatty() else Console())
     if not args.no_plots:
         result["plots"] = [p.name for p in plots.draw(result, out)]
-    (out / RESULT_JSON).write_text(json.dumps(result, indent=1) + "\n")
-    print_report(result, Console(width=200) if not sys.stdout.isatty() else Console())
+        (out / RESULT_JSON).write_text(json.dumps(result, indent=1) + "\n")
     err.print(f"wrote {out / RESULT_JSON}" + "".join(f", {out / p}" for p in result["plots"]))
     if args.doc:
         err.print(f"wrote {write_doc(result, out, Path(args.doc), out / RESULT_JSON)}")
