@@ -32,7 +32,7 @@ def gather_blocks(blocks: torch.Tensor, block_tables: torch.Tensor, contiguous_f
     _, bs, H, D = blocks.shape
     if contiguous_from is not None and B == 1:
         return blocks[contiguous_from:contiguous_from + n].reshape(1, n * bs, H, D)
-    return blocks[block_tables].reshape(B, n * bs, H, D)
+    return blocks.index_select(0, block_tables.reshape(-1)).reshape(B, n * bs, H, D)
 
 
 def causal_mask(q_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
@@ -61,6 +61,25 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
         enable_gqa=H != k.shape[2])
     return out.transpose(1, 2)
+
+
+def run_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                  runs: list[tuple[int, int]], scale: float | None = None) -> torch.Tensor:
+    """Batched decode (T = 1) when every sequence's blocks are consecutive ids: each sequence
+    attends over a view of its own run of blocks, so no K/V is gathered or copied.
+
+    runs: per sequence (first block id, tokens held including the new one). Returns [B, 1, H, D]."""
+    B, T, H, D = q.shape
+    _, bs, Hkv, _ = k_blocks.shape
+    out = torch.empty_like(q)
+    for b, (first, n_tokens) in enumerate(runs):
+        n_blocks = -(-n_tokens // bs)
+        k = k_blocks[first:first + n_blocks].reshape(1, n_blocks * bs, Hkv, D)[:, :n_tokens]
+        v = v_blocks[first:first + n_blocks].reshape(1, n_blocks * bs, Hkv, D)[:, :n_tokens]
+        out[b:b + 1] = F.scaled_dot_product_attention(
+            q[b:b + 1].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+            enable_gqa=H != Hkv).transpose(1, 2)
+    return out
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,

@@ -20,6 +20,7 @@ class SequenceBlocks:
     seq_id: int
     blocks: list[int] = field(default_factory=list)
     n_tokens: int = 0
+    reserved: list[int] = field(default_factory=list)  # set aside for this sequence, taken first as it grows
 
 
 class BlockPool:
@@ -40,7 +41,13 @@ class BlockPool:
 
     @property
     def used_blocks(self) -> int:
-        return self.n_blocks - len(self._free)
+        """Blocks in some sequence's block table."""
+        return sum(len(s.blocks) for s in self._seqs.values())
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks set aside for sequences but not yet in their tables."""
+        return sum(len(s.reserved) for s in self._seqs.values())
 
     @property
     def capacity_tokens(self) -> int:
@@ -64,6 +71,12 @@ class BlockPool:
     def can_fit(self, extra_blocks: int) -> bool:
         return extra_blocks <= len(self._free)
 
+    def free_blocks_needed(self, seq_id: int, n_new: int) -> int:
+        """Blocks that growing the sequence by ``n_new`` tokens takes from the free list."""
+        seq = self._seq(seq_id)
+        need = self.blocks_for(seq.n_tokens + n_new) - len(seq.blocks)
+        return max(0, need - len(seq.reserved))
+
     def slot(self, seq_id: int, position: int) -> tuple[int, int]:
         """(block id, offset in block) of the token at ``position`` in the sequence."""
         seq = self._seq(seq_id)
@@ -72,10 +85,35 @@ class BlockPool:
         return seq.blocks[position // self.block_size], position % self.block_size
 
     # -- life cycle --------------------------------------------------------------------------
-    def admit(self, seq_id: int) -> None:
+    def admit(self, seq_id: int, reserve_tokens: int = 0) -> None:
+        """Add a sequence. ``reserve_tokens``: set aside blocks for that many tokens now, as one
+        contiguous run of block ids when the free list has one (so that attention can read the
+        sequence's K/V as a view, without gathering), else wherever they are free."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already in the pool")
-        self._seqs[seq_id] = SequenceBlocks(seq_id)
+        need = self.blocks_for(reserve_tokens)
+        if need > len(self._free):
+            raise PoolExhausted(f"the KV pool cannot reserve {need} blocks ({len(self._free)} free); "
+                                "give a larger --context or a smaller batch")
+        seq = SequenceBlocks(seq_id)
+        if need:
+            run = self._contiguous_run(need)
+            seq.reserved = run if run is not None else [self._free.pop() for _ in range(need)]
+            if run is not None:
+                taken = set(run)
+                self._free = [b for b in self._free if b not in taken]
+        self._seqs[seq_id] = seq
+
+    def _contiguous_run(self, n: int) -> list[int] | None:
+        """The lowest run of ``n`` consecutive free block ids, if any."""
+        free = sorted(self._free)
+        start = 0
+        for i in range(1, len(free) + 1):
+            if i == len(free) or free[i] != free[i - 1] + 1:
+                if i - start >= n:
+                    return free[start:start + n]
+                start = i
+        return None
 
     def grow(self, seq_id: int, n_new: int) -> list[int]:
         """Make room for ``n_new`` more tokens; returns the blocks newly taken (maybe none)."""
@@ -83,11 +121,11 @@ class BlockPool:
         if n_new < 0:
             raise ValueError("a sequence cannot grow by a negative number of tokens")
         need = self.blocks_for(seq.n_tokens + n_new) - len(seq.blocks)
-        if need > len(self._free):
+        if need > len(self._free) + len(seq.reserved):
             raise PoolExhausted(
                 f"the KV pool is full ({self.n_blocks} blocks of {self.block_size} tokens, "
                 f"{len(self._free)} free, {need} needed); give a larger --context or a smaller batch")
-        taken = [self._free.pop() for _ in range(max(0, need))]
+        taken = [seq.reserved.pop(0) if seq.reserved else self._free.pop() for _ in range(max(0, need))]
         seq.blocks.extend(taken)
         seq.n_tokens += n_new
         return taken
@@ -106,7 +144,7 @@ class BlockPool:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"sequence {seq_id} is not in the pool")
-        self._release(seq.blocks)
+        self._release(seq.blocks + seq.reserved)
 
     def reset(self) -> None:
         for seq_id in list(self._seqs):

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from localctx.kvcache.attention import Rotary, paged_attention
+from localctx.kvcache.attention import Rotary, paged_attention, run_attention
 from localctx.kvcache.block_pool import BlockPool, PoolExhausted
 
 DEFAULT_BLOCK_SIZE = 16
@@ -57,6 +57,7 @@ class StepLayout:
     slots: torch.Tensor  # [B*T] flat slot (block * block_size + offset) of each new token
     block_tables: torch.Tensor  # [B, n] padded with block 0 (masked out by position)
     contiguous_from: int | None  # one sequence whose blocks are consecutive: first block id
+    runs: list[tuple[int, int]] | None  # every sequence's blocks consecutive: (first block, tokens held)
 
 
 class PagedKVCache:
@@ -70,8 +71,10 @@ class PagedKVCache:
         self.step: StepLayout | None = None
 
     # -- sequences ---------------------------------------------------------------------------
-    def add_sequence(self, seq_id: int) -> None:
-        self.pool.admit(seq_id)
+    def add_sequence(self, seq_id: int, reserve_tokens: int = 0) -> None:
+        """``reserve_tokens``: blocks for that many tokens are set aside now, contiguous where
+        possible (a batch admits each sequence with room for its prompt and answer)."""
+        self.pool.admit(seq_id, reserve_tokens)
 
     def finish(self, seq_id: int) -> None:
         self.pool.finish(seq_id)
@@ -101,7 +104,8 @@ class PagedKVCache:
         return sum(self.pool.length(s) for s in ids) * self.shape.bytes_per_token
 
     def reserved_bytes(self, seq_id: int | None = None) -> int:
-        """Bytes of the blocks the sequences hold (tokens rounded up to whole blocks)."""
+        """Bytes of the blocks in the sequences' block tables (tokens rounded up to whole blocks;
+        blocks only set aside by ``add_sequence(reserve_tokens=...)`` are not counted)."""
         if seq_id is None:
             blocks = self.pool.used_blocks
         else:
@@ -125,7 +129,7 @@ class PagedKVCache:
             raise ValueError(f"every sequence in a step must add the same positive number of tokens, got {counts}")
         T = counts[0]
         pool = self.pool
-        need = sum(pool.blocks_for(pool.length(s) + T) - len(pool.block_table(s)) for s in seq_ids)
+        need = sum(pool.free_blocks_needed(s, T) for s in seq_ids)
         if not pool.can_fit(need):
             raise PoolExhausted(f"the KV pool is full ({pool.n_blocks} blocks of {pool.block_size} tokens, "
                                 f"{pool.free_blocks} free, {need} needed); give a larger --context or a smaller batch")
@@ -144,10 +148,10 @@ class PagedKVCache:
         offsets = torch.arange(T, device=dev)
         q_positions = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + offsets[None, :]
         slots = (block_tables.gather(1, q_positions // bs) * bs + q_positions % bs).reshape(-1)
-        contiguous = None
-        if len(seq_ids) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + len(tables[0]))):
-            contiguous = tables[0][0]
-        return StepLayout(seq_ids, T, q_positions, slots, block_tables, contiguous)
+        consecutive = all(t == list(range(t[0], t[0] + len(t))) for t in tables)
+        runs = [(t[0], start + T) for t, start in zip(tables, starts)] if consecutive else None
+        contiguous = tables[0][0] if consecutive and len(seq_ids) == 1 else None
+        return StepLayout(seq_ids, T, q_positions, slots, block_tables, contiguous, runs)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         step = self.step
@@ -157,13 +161,16 @@ class PagedKVCache:
         if B != len(step.seq_ids) or T != step.n_new:
             raise ValueError(f"attend got [B={B}, T={T}] but the step has {len(step.seq_ids)} sequences "
                              f"of {step.n_new} new tokens")
-        q = self.rope.rotate(q, step.q_positions)
-        k = self.rope.rotate(k, step.q_positions)
+        n_heads = q.shape[2]
+        qk = self.rope.rotate(torch.cat([q, k], dim=2), step.q_positions)  # one rotation for both
+        q, k = qk[:, :, :n_heads], qk[:, :, n_heads:]
         kl = self.k[layer_idx]
         vl = self.v[layer_idx]
         flat = (-1, self.shape.n_kv_heads, self.shape.head_dim)
         kl.view(flat).index_copy_(0, step.slots, k.reshape(flat).to(kl.dtype))
         vl.view(flat).index_copy_(0, step.slots, v.reshape(flat).to(vl.dtype))
+        if step.runs is not None and len(step.seq_ids) > 1 and T == 1:
+            return run_attention(q, kl, vl, step.runs)
         return paged_attention(q, kl, vl, step.block_tables, step.q_positions,
                                contiguous_from=step.contiguous_from)
 

@@ -37,15 +37,19 @@ def check_invariants(cache: PagedKVCache, expected_lengths: dict[int, int]) -> N
         owned.extend(table)
         assert cache.kv_bytes(seq_id) == cost.kv_bytes(SPEC, FP16, n)
         assert cache.reserved_bytes(seq_id) == cost.paged_kv_bytes(SPEC, FP16, n, pool.block_size)
-    assert len(owned) == len(set(owned)), "a block is shared by two live sequences"
-    assert set(owned).isdisjoint(pool._free), "a block is both free and in use"
-    assert len(owned) + pool.free_blocks == pool.n_blocks, "blocks leaked"
+    reserved = [b for seq_id in expected_lengths for b in pool._seq(seq_id).reserved]
+    held = owned + reserved
+    assert len(held) == len(set(held)), "a block is shared by two live sequences (or reserved twice)"
+    assert set(held).isdisjoint(pool._free), "a block is both free and in use"
+    assert len(held) + pool.free_blocks == pool.n_blocks, "blocks leaked"
+    assert pool.used_blocks == len(owned) and pool.reserved_blocks == len(reserved)
     assert cache.kv_bytes() == sum(cost.kv_bytes(SPEC, FP16, n) for n in expected_lengths.values())
-    assert cache.reserved_bytes() == pool.used_blocks * pool.block_size * cost.full_bytes_per_token(SPEC)
+    assert cache.reserved_bytes() == len(owned) * pool.block_size * cost.full_bytes_per_token(SPEC)
 
 
 op = st.one_of(
     st.tuples(st.just("admit"), st.integers(0, 5), st.just(0)),
+    st.tuples(st.just("admit"), st.integers(0, 5), st.integers(1, 30)),  # with a reservation
     st.tuples(st.just("grow"), st.integers(0, 5), st.integers(1, 9)),
     st.tuples(st.just("truncate"), st.integers(0, 5), st.integers(0, 20)),
     st.tuples(st.just("finish"), st.integers(0, 5), st.just(0)),
@@ -61,16 +65,19 @@ def test_random_admit_grow_finish_keeps_the_pool_exact(ops):
         if kind == "admit":
             if seq_id in lengths:
                 with pytest.raises(ValueError):
-                    cache.add_sequence(seq_id)
+                    cache.add_sequence(seq_id, n)
+            elif cache.pool.blocks_for(n) > cache.pool.free_blocks:
+                with pytest.raises(PoolExhausted):
+                    cache.add_sequence(seq_id, n)
             else:
-                cache.add_sequence(seq_id)
+                cache.add_sequence(seq_id, n)
                 lengths[seq_id] = 0
         elif seq_id not in lengths:
             with pytest.raises(KeyError):
                 cache.finish(seq_id) if kind == "finish" else cache.pool.block_table(seq_id)
         elif kind == "grow":
             before = (cache.pool.free_blocks, dict(lengths))
-            need = cache.pool.blocks_for(lengths[seq_id] + n) - len(cache.pool.block_table(seq_id))
+            need = cache.pool.free_blocks_needed(seq_id, n)
             if need > cache.pool.free_blocks:
                 with pytest.raises(PoolExhausted):
                     cache.begin_step([seq_id], n)
@@ -114,14 +121,17 @@ def _history_attention(rope: Rope, q, ks, vs, start: int):
     return dense_attention(rope.rotate(q, pos_q), rope.rotate(k, pos_k), torch.cat(vs, dim=1), pos_q)
 
 
-def test_paged_attention_matches_dense_for_chunks_and_ragged_batches():
+@pytest.mark.parametrize("reserve", [0, 32])
+def test_paged_attention_matches_dense_for_chunks_and_ragged_batches(reserve):
+    """reserve=0: sequences grow interleaved, so their blocks are scattered (gathered path);
+    reserve=32: each sequence gets consecutive blocks (the view-per-sequence decode path)."""
     torch.manual_seed(0)
     cache = tiny_cache(n_blocks=40, block_size=4)
     H, Hkv, D = SPEC.n_heads, SPEC.n_kv_heads, SPEC.head_dim
     prompts = {0: 7, 1: 13, 2: 2}
     hist = {s: ([], []) for s in prompts}
-    for s, n in prompts.items():  # chunked prefill, interleaved so that blocks are not contiguous
-        cache.add_sequence(s)
+    for s, n in prompts.items():  # chunked prefill, interleaved
+        cache.add_sequence(s, reserve)
     for chunk in range(4):
         for s, n in prompts.items():
             T = min(4, n - 4 * chunk)
@@ -141,6 +151,7 @@ def test_paged_attention_matches_dense_for_chunks_and_ragged_batches():
         q, k, v = torch.randn(3, 1, H, D), torch.randn(3, 1, Hkv, D), torch.randn(3, 1, Hkv, D)
         starts = [cache.length(s) for s in seqs]
         cache.begin_step(seqs, 1)
+        assert (cache.step.runs is not None) == bool(reserve)
         out = cache.attend(1, q, k, v)
         cache.end_step()
         for i, s in enumerate(seqs):

@@ -79,12 +79,14 @@ class LoadedModel:
 def load_model(ref: ModelRef, options: TorchOptions) -> LoadedModel:
     if options.threads:
         torch.set_num_threads(options.threads)
+    # int8 weights are quantized from float32; dense ones are converted to their dtype as they load
+    load_dtype = torch.float32 if options.weights == "int8" else options.dtype
     if ref.kind == "gguf":
-        config, tensors, freq_factors, reader = load_gguf(ref.path)
+        config, tensors, freq_factors, reader = load_gguf(ref.path, load_dtype)
         tokenizer = from_gguf(reader, ref.path.name)
         spec = spec_from(reader, config, ref.name)
     elif ref.kind == "hf":
-        config, tensors = load_hf(ref.path)
+        config, tensors = load_hf(ref.path, load_dtype)
         freq_factors = None
         tokenizer = from_hf_folder(ref.path)
         spec = hf_spec(ref.path, ref.name)

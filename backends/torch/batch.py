@@ -57,7 +57,6 @@ class BatchRun:
                 raise UserError(f"prompt {i + 1} of {len(prompts)} needs {len(ids) + p.max_tokens:,} tokens of KV, more "
                                 f"than the pool's {pool.capacity_tokens:,}; give a larger --context or fewer --max-tokens")
             self.items.append(BatchItem(i, 1 + i, ids, p, blocks))
-        self.reserved = 0
 
     def _tokens(self, item: BatchItem) -> Iterator[int]:
         logits = self.engine.prefill(item.seq_id, item.ids)
@@ -66,8 +65,8 @@ class BatchRun:
             yield item.pending  # the driver feeds it and samples the next one before asking again
 
     def _admit(self, item: BatchItem) -> GenerationEvent:
-        self.cache.add_sequence(item.seq_id)
-        self.reserved += item.blocks
+        # the blocks for prompt + answer are set aside now, consecutive where possible
+        self.cache.add_sequence(item.seq_id, reserve_tokens=len(item.ids) + item.params.max_tokens)
         clock = StatsClock(backend="torch", policy=str(self.session.plan.policy), prompt_tokens=len(item.ids))
         tok = self.session.tokenizer
         item.events = stream(self._tokens(item), token_bytes=tok.token_bytes, eos=tok.eos_ids, params=item.params,
@@ -77,14 +76,13 @@ class BatchRun:
     def _finish(self, item: BatchItem) -> None:
         if self.cache.has(item.seq_id):
             self.cache.finish(item.seq_id)
-            self.reserved -= item.blocks
 
     def events(self) -> Iterator[tuple[int, GenerationEvent]]:
         waiting = deque(self.items)
         active: list[BatchItem] = []
         try:
             while waiting or active:
-                while waiting and self.reserved + waiting[0].blocks <= self.cache.pool.n_blocks:
+                while waiting and waiting[0].blocks <= self.cache.pool.free_blocks:
                     item = waiting.popleft()
                     event = self._admit(item)
                     yield item.index, event

@@ -93,8 +93,11 @@ def spec_from(reader, config: LlamaConfig, name: str) -> ModelSpec:
         n_params=sum(int(t.n_elements) for t in reader.tensors), intermediate_size=config.intermediate_size)
 
 
-def load_gguf(path: Path, reader=None) -> tuple[LlamaConfig, dict[str, torch.Tensor], torch.Tensor | None, object]:
-    """(config, tensors by GGUF name in the HF layout, rope frequency factors or None, reader)."""
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32, reader=None
+              ) -> tuple[LlamaConfig, dict[str, torch.Tensor], torch.Tensor | None, object]:
+    """(config, tensors by GGUF name in the HF layout and in ``dtype``, rope frequency factors or
+    None, reader). Each tensor is converted as it is read, so a half-precision load never holds
+    the whole model in float32."""
     reader = reader or read_gguf(path)
     config = read_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
@@ -108,5 +111,5 @@ def load_gguf(path: Path, reader=None) -> tuple[LlamaConfig, dict[str, torch.Ten
             value = unpermute_rows(value, config.n_heads)
         elif config.architecture in PERMUTED_ARCHS and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             value = unpermute_rows(value, config.n_kv_heads)
-        tensors[t.name] = value
+        tensors[t.name] = value.to(dtype)
     return config, tensors, freq_factors, reader

@@ -63,7 +63,7 @@ def rename(hf_name: str) -> str | None:
     return None
 
 
-def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def load_hf(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -81,7 +81,7 @@ def load_hf(folder: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
                 for name in fh.keys():
                     ours = rename(name)
                     if ours is not None:
-                        tensors[ours] = fh.get_tensor(name).float()
+                        tensors[ours] = fh.get_tensor(name).to(dtype)
         except Exception as exc:  # safetensors raises its own error types on damaged files
             raise UserError(f"{path.name} is not a readable safetensors file ({str(exc)[:80]}); "
                             "download it again") from None

@@ -40,17 +40,21 @@ class LlamaModel:
         self.device = device
         self.freq_factors = freq_factors
 
-        def take(name: str) -> torch.Tensor:
+        def raw(name: str) -> torch.Tensor:
             t = tensors.get(name)
             if t is None:
                 raise UserError(f"the model has no tensor {name!r}; the file is incomplete or not a "
                                 f"{config.architecture} model")
-            return t.to(device=device, dtype=dtype)
+            return t
+
+        def take(name: str) -> torch.Tensor:
+            return raw(name).to(device=device, dtype=dtype)
 
         def linear(*names: str, bias: bool = False) -> Linear:
-            w = torch.cat([take(f"{n}.weight") for n in names], dim=0)
+            # weights keep the precision they were loaded in until make_linear converts them
+            w = torch.cat([raw(f"{n}.weight").to(device) for n in names], dim=0)
             b = torch.cat([take(f"{n}.bias") for n in names], dim=0) if bias else None
-            return make_linear(w, b, weights)
+            return make_linear(w, b, weights, dtype)
 
         self.embed = take("token_embd.weight")
         self.layers: list[Layer] = []
@@ -66,8 +70,9 @@ class LlamaModel:
                 gate_up=linear(p + "ffn_gate", p + "ffn_up"),
                 down=linear(p + "ffn_down")))
         self.final_norm = take("output_norm.weight")
-        head = self.embed if config.tie_embeddings or "output.weight" not in tensors else take("output.weight")
-        self.lm_head = make_linear(head, None, weights)
+        head = tensors["output.weight"] if "output.weight" in tensors and not config.tie_embeddings else (
+            raw("token_embd.weight"))
+        self.lm_head = make_linear(head.to(device), None, weights, dtype)
 
     # -- what the engine asks ---------------------------------------------------------------
     def make_rope(self) -> Rope:

@@ -70,6 +70,7 @@ class Rope:
         self.inv_freq = inverse_frequencies(head_dim, base, scaling, freq_factors).to(device)
         self.dtype = dtype
         self.device = device
+        self._last: tuple | None = None
         self._build(initial)
 
     def _build(self, n: int) -> None:
@@ -78,17 +79,28 @@ class Rope:
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = angles.cos().to(self.dtype)
         self.sin = angles.sin().to(self.dtype)
+        self._last = None
 
     def ensure(self, n_positions: int) -> None:
         if n_positions > self.cos.shape[0]:
             self._build(max(n_positions, 2 * self.cos.shape[0]))
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at ``positions`` ([B, T] → [B, T, 1, D/2]) in ``dtype``. Every layer of a forward
+        rotates at the same positions, so the last lookup is kept and reused."""
+        key = (positions, dtype)
+        if self._last is not None and self._last[0] is positions and self._last[1] == dtype:
+            return self._last[2]
+        self.ensure(int(positions.max()) + 1)
+        half = self.head_dim // 2
+        cos = self.cos[positions][..., None, :half].to(dtype)
+        sin = self.sin[positions][..., None, :half].to(dtype)
+        self._last = (key[0], dtype, (cos, sin))
+        return cos, sin
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H, D]; positions: [B, T]."""
-        self.ensure(int(positions.max()) + 1)
-        cos = self.cos[positions].unsqueeze(2)
-        sin = self.sin[positions].unsqueeze(2)
+        cos, sin = self.tables(positions, x.dtype)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
-        rotated_half = torch.cat([-x2, x1], dim=-1)
-        return (x * cos + rotated_half * sin).to(x.dtype)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
