@@ -72,6 +72,9 @@ def footnotes(result: dict) -> list[str]:
     for entry in result["series"]:
         if entry["status"] != "ok":
             notes[f"refused ({entry['label']}): {entry['reason']}"] = None
+        bases = {p["planner_basis"] for p in entry["points"] if p["status"] == "ok"}
+        if bases:
+            notes[f"planner tok/s for {entry['label']}: " + "; ".join(sorted(bases))] = None
         for p in entry["points"]:
             if p["status"] != "ok":
                 notes[f"{p['status']} ({entry['label']} at {context_label(p['context'])}): {p['reason']}"
