@@ -97,8 +97,15 @@ def test_headline_and_goals_are_reported(fake_run):
 
 def test_from_json_redraws_without_measuring(fake_run, cli, tmp_path):
     _, out, result = fake_run
-    r = cli("bench", "--from-json", str(out / "bench.json"), "--out", str(tmp_path))
+    doc = tmp_path / "docs" / "benchmarks-bench.md"
+    r = cli("bench", "--from-json", str(out / "bench.json"), "--out", str(tmp_path), "--doc", str(doc),
+            "--note", "a note for the page")
     assert r.code == 0
+    page = doc.read_text()
+    assert "> a note for the page" in page and "![bench-decode.png](img/bench-decode.png)" in page
+    assert result["command"] in page and "| localctx fake int8+sink4+win64 | 8k |" in page
+    assert (doc.parent / "img" / "bench-decode.png").read_bytes()[:8] == PNG_MAGIC
+    assert json.loads((doc.parent / "img" / "bench.json").read_text())["note"] == "a note for the page"
     assert "fake/int8+sink4+win64" in r.out or "fake int8+sink4+win64" in r.out
     assert (tmp_path / "bench-kv.png").read_bytes()[:8] == PNG_MAGIC
     assert json.loads((tmp_path / "bench.json").read_text())["series"] == result["series"]

@@ -64,6 +64,7 @@ def render(result: dict, doc_path: Path) -> str:
              f"(`{Path(result['model']['path']).name}`). Figures are medians of {s['runs']} runs, "
              f"each decoding {s['gen_tokens']} tokens after a prompt that fills the context"
              + (f" ({s['stopped']})." if s.get("stopped") else "."), "",
+             *([f"> {result['note']}", ""] if result.get("note") else []),
              "## Machine", "", *machine_lines(result), "",
              "## Command", "", "```", result["command"], "```", "",
              f"This page is regenerated from the saved run without measuring: `{regenerate}`.", ""]

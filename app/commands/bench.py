@@ -49,6 +49,7 @@ def register(sub) -> None:
                    help="redraw the table and plots from a saved bench.json instead of measuring")
     p.add_argument("--doc", default=None, metavar="FILE.md",
                    help="also write a markdown page (plots and bench.json copied to img/ beside it)")
+    p.add_argument("--note", default=None, help="a remark about this run, kept in bench.json and shown on the --doc page")
     p.set_defaults(handler=handle)
 
 
@@ -137,6 +138,8 @@ def handle(args: argparse.Namespace) -> int:
 
 
 def write_outputs(result: dict, args: argparse.Namespace, err: Console) -> int:
+    if args.note:
+        result["note"] = args.note
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result["plots"] = []
