@@ -61,7 +61,7 @@ def render(result: dict, doc_path: Path) -> str:
                   f"--doc {doc_path.as_posix()}")
     lines = ["# Benchmarks: speed and memory against context (`localctx bench`)", "",
              f"Measured {result['started']} ({result['duration_s']:.0f} s) with the model {result['model']['name']} "
-             f"(`{Path(result['model']['path']).name}`). Figures are medians of {s['runs']} runs, "
+             f"(`{Path(result['model']['path']).name}`). Figures are medians of {s['runs']} run{'s' if s['runs'] != 1 else ''}, "
              f"each decoding {s['gen_tokens']} tokens after a prompt that fills the context"
              + (f" ({s['stopped']})." if s.get("stopped") else "."), "",
              *([f"> {result['note']}", ""] if result.get("note") else []),

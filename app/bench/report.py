@@ -37,7 +37,7 @@ HEADERS = ["series", "context", "prefill tok/s", "decode tok/s", "decode vs llam
 
 def measurements_table(result: dict) -> Table:
     runs = result["settings"]["runs"]
-    table = Table(title=f"localctx bench — {result['model']['name']} (median ±half-range of {runs} runs)")
+    table = Table(title=f"localctx bench — {result['model']['name']} (median ±half-range of {runs} run{'s' if runs != 1 else ''})")
     for h in HEADERS:
         table.add_column(h, justify="left" if h == "series" else "right")
     for entry in result["series"]:
