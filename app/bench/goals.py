@@ -1,0 +1,83 @@
+"""The speed goals of the bench, checked on what this run measured. Each says holds / fails / not
+measured, with the numbers behind it."""
+from __future__ import annotations
+
+from localctx.app.bench.results import WINDOW_GOAL, decode_at
+from localctx.app.bench.settings import context_label
+from localctx.kvcache.policy import KVPolicy
+
+
+def _ratio_text(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def window_goal(entries: list[dict], head: dict | None) -> dict:
+    goal = f"policies with a window hold decode(long)/decode(short) ≥ {WINDOW_GOAL}"
+    ratios = {r["series"]: r["ratio"] for r in (head or {}).get("rows", [])}
+    windowed = [e for e in entries if not e["baseline"] and KVPolicy.parse(e["policy"]).evicts]
+    measured = {e["key"]: ratios.get(e["key"]) for e in windowed if ratios.get(e["key"]) is not None}
+    if not measured:
+        return {"goal": goal, "status": "not measured",
+                "detail": "no windowed policy ran to both headline contexts on a backend of this build"}
+    bad = {k: v for k, v in measured.items() if v < WINDOW_GOAL}
+    detail = ", ".join(f"{k} {_ratio_text(v)}" for k, v in measured.items())
+    return {"goal": goal, "status": "fails" if bad else "holds", "detail": detail}
+
+
+def quant_vs_fp16(entries: list[dict], context: int) -> list[dict]:
+    """Each quantized series against the same backend's fp16 (same window/sinks) at ``context``."""
+    rows = []
+    by_key = {e["key"]: e for e in entries}
+    for e in entries:
+        if e["baseline"]:
+            continue
+        policy = KVPolicy.parse(e["policy"])
+        if not policy.quantized:
+            continue
+        twin = KVPolicy(sinks=policy.sinks, window=policy.window, heavy=policy.heavy)
+        ref = by_key.get(f"{e['backend']}/{twin}")
+        mine, theirs = decode_at(e, context), decode_at(ref, context) if ref else None
+        rows.append({"backend": e["backend"], "policy": e["policy"], "fp16_policy": str(twin), "context": context,
+                     "ratio": mine / theirs if mine and theirs else None})
+    return rows
+
+
+def torch_quant_goal(comparisons: list[dict]) -> dict:
+    goal = "quantized KV on the torch backend is not slower than its own fp16 at the long context"
+    rows = [r for r in comparisons if r["backend"] == "torch" and r["ratio"] is not None]
+    if not rows:
+        return {"goal": goal, "status": "not measured",
+                "detail": "no torch quantized + fp16 pair measured (torch backend absent or refused here)"}
+    slower = [r for r in rows if r["ratio"] < 1.0]
+    detail = ", ".join(f"{r['policy']} {_ratio_text(r['ratio'])}× fp16" for r in rows)
+    return {"goal": goal, "status": "fails" if slower else "holds", "detail": detail}
+
+
+def _picks_text(picks: list[dict]) -> str:
+    by_backend: dict[str, list[str]] = {}
+    for p in picks:
+        by_backend.setdefault(p["backend"], []).append(f"{context_label(p['context'])} → {p['policy']}"
+                                                       + ("" if p["fp16_fits"] else " (fp16 does not fit)"))
+    return "; ".join(f"{b} picks " + ", ".join(v) for b, v in by_backend.items())
+
+
+def planner_goal(planner_picks: list[dict] | None, comparisons: list[dict]) -> dict:
+    goal = "the planner never picks a quantized KV format the bench shows slower than fp16 when fp16 fits"
+    if not planner_picks:
+        return {"goal": goal, "status": "not measured", "detail": "the planner was not asked (no planner picks)"}
+    ratios = {(r["backend"], r["policy"]): r["ratio"] for r in comparisons if r["ratio"] is not None}
+    questioned = [p for p in planner_picks if p["fp16_fits"] and KVPolicy.parse(p["policy"]).quantized
+                  if not p["policy"].startswith("none")]
+    bad = [p for p in questioned if ratios.get((p["backend"], p["policy"]), 1.0) < 1.0]
+    unmeasured = [p for p in questioned if (p["backend"], p["policy"]) not in ratios]
+    status = "fails" if bad else ("not measured" if unmeasured else "holds")
+    detail = _picks_text(planner_picks)
+    if unmeasured:
+        detail += "; not benched beside fp16: " + ", ".join(sorted({f"{p['backend']}/{p['policy']}" for p in unmeasured}))
+    return {"goal": goal, "status": status, "detail": detail}
+
+
+def evaluate(entries: list[dict], head: dict | None, planner_picks: list[dict] | None) -> tuple[list[dict], list[dict]]:
+    comparisons = quant_vs_fp16(entries, head["long"]) if head else []
+    goals = [window_goal(entries, head), torch_quant_goal(comparisons), planner_goal(planner_picks, comparisons)]
+    return goals, comparisons

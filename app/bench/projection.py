@@ -1,0 +1,75 @@
+"""What each measurement is compared against: the cost model's KV bytes, the bandwidth roofline
+(tok/s ≤ bandwidth / (weight bytes + KV bytes read per step), with the bandwidth measured at the start
+of the run), and the planner's own projection (its speed model: calibrated per backend and KV format
+where a calibration exists, else the roofline). Also what the planner would pick at each context,
+for the goal that it never picks a quantized format the bench shows slower than fp16."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localctx.backends.hardware import measure_copy_bandwidth
+from localctx.backends.planning import PlanningContext, make_auto_plan, planning_context
+from localctx.kvcache import cost
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.planner import PlanRequest, budget
+from localctx.kvcache.policy import FP16, KVPolicy
+from localctx.kvcache.spec import ModelSpec
+
+BASELINE_AS = "llamacpp"  # the planner projects plain llama.cpp as the llama.cpp backend with fp16 KV
+
+
+@dataclass(frozen=True)
+class Projection:
+    kv_bytes: int  # the cost model's bytes for the measured stream length
+    roofline_decode_tok_s: float
+    planner_decode_tok_s: float
+    planner_basis: str
+
+
+class Projector:
+    """One planning context per backend (hardware detected once: bandwidth is measured and cached)."""
+
+    def __init__(self, spec: ModelSpec, backends: list[str]):
+        self.spec = spec
+        self.contexts: dict[str, PlanningContext] = {}
+        for name in dict.fromkeys([*backends, BASELINE_AS]):
+            self.contexts[name] = planning_context(name, spec)
+        self.hardware = self.contexts[BASELINE_AS].hardware
+        # the roofline uses bandwidth measured now, beside the measurements (the planner's figure may be cached
+        # from another time); on a GPU the planner's figure (NVML or table) is the one that applies
+        self.bandwidth_bytes_s, self.bandwidth_source = self.hardware.bandwidth_bytes_s, self.hardware.bandwidth_source
+        if self.hardware.kind == "cpu":
+            self.bandwidth_bytes_s = measure_copy_bandwidth()
+            self.bandwidth_source = "measured at the start of this run (numpy copy, best of 6)"
+
+    def _ctx(self, backend: str) -> PlanningContext:
+        return self.contexts.get(backend) or self.contexts[BASELINE_AS]
+
+    def bandwidth(self) -> dict:
+        return {"bytes_s": self.bandwidth_bytes_s, "source": self.bandwidth_source,
+                "planner_bytes_s": self.hardware.bandwidth_bytes_s, "planner_hardware": self.hardware.describe()}
+
+    def project(self, backend: str, policy: KVPolicy, context: int, stream_tokens: int) -> Projection:
+        speed = self._ctx(backend).speed
+        kv_read = cost.kv_bytes(self.spec, policy, context)  # what attention reads per step at this context
+        return Projection(
+            kv_bytes=cost.kv_bytes(self.spec, policy, stream_tokens),
+            roofline_decode_tok_s=cost.decode_tok_s_roofline(self.bandwidth_bytes_s, self.spec.weight_bytes, kv_read),
+            planner_decode_tok_s=speed.worst_decode_tok_s(self.spec, policy, context),
+            planner_basis=speed.basis(policy))
+
+    def picks(self, backends: list[str], contexts: list[int]) -> list[dict]:
+        """What the planner chooses for each backend at each context within the trained length."""
+        out = []
+        for name in backends:
+            ctx = self.contexts[name]
+            for context in (c for c in contexts if c <= self.spec.context_length):
+                req = PlanRequest(context=context)
+                fp16_fits = cost.max_kv_bytes(self.spec, FP16, context) <= budget(ctx.hardware, self.spec, req,
+                                                                                  ctx.backend).kv
+                try:
+                    policy = str(make_auto_plan(ctx, self.spec, req).policy)
+                except UserError as exc:
+                    policy = f"none ({exc})"
+                out.append({"backend": name, "context": context, "policy": policy, "fp16_fits": fp16_fits})
+        return out
