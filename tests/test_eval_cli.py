@@ -36,6 +36,6 @@ def test_a_tiny_real_run_reports_each_policy_beside_full_precision(capsys, monke
     base = rows["fp16"]["perplexity"]["ppl"]
     assert 1 < base < 1000
     assert abs(rows["int8"]["perplexity"]["ppl"] / base - 1) < 0.02  # int8 KV barely moves perplexity
-    assert rows["int8"]["perplexity"]["kv_bytes"] < rows["fp16"]["perplexity"]["kv_bytes"] / 2
+    assert rows["int8"]["perplexity"]["kv_bytes"] < rows["fp16"]["perplexity"]["kv_bytes"] * 0.6  # 64 of 95 quantized
     assert rows["fp16+sink4+win64"]["perplexity"]["kv_tokens"] == 4 + 64
     assert rows["fp16"]["needle"]["grid"][0]["hit"]  # the model finds a key 160 tokens back
