@@ -73,7 +73,8 @@ def gguf_spec(path: Path, name: str | None = None) -> ModelSpec:
         intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length", 0)))
 
 
-def hf_spec(folder: Path, name: str | None = None) -> ModelSpec:
+def load_hf_config(folder: Path) -> tuple[dict, str]:
+    """config.json and the localctx architecture name it maps to; one-line errors otherwise."""
     try:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -83,6 +84,11 @@ def hf_spec(folder: Path, name: str | None = None) -> ModelSpec:
     if arch is None:
         raise UserError(f"unsupported architecture {archs or cfg.get('model_type')} in {folder}; localctx "
                         f"runs {', '.join(sorted(_HF_ARCH))}")
+    return cfg, arch
+
+
+def hf_spec(folder: Path, name: str | None = None) -> ModelSpec:
+    cfg, arch = load_hf_config(folder)
     n_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // n_heads)

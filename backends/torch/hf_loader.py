@@ -2,13 +2,12 @@
 (.bin / .pt) are refused: loading them can run arbitrary code."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
-from localctx.backends.model_spec import _HF_ARCH
+from localctx.backends.model_spec import load_hf_config
 from localctx.backends.torch.config import LlamaConfig
 from localctx.backends.torch.rope import RopeScaling
 from localctx.kvcache.errors import UserError
@@ -30,15 +29,7 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
 
 
 def read_config(folder: Path) -> LlamaConfig:
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{folder}/config.json cannot be read ({exc}); fix or replace it") from None
-    archs = cfg.get("architectures") or []
-    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None)
-    if arch is None:
-        raise UserError(f"unsupported architecture {archs or cfg.get('model_type')} in {folder}; the torch backend "
-                        f"runs {', '.join(sorted(_HF_ARCH))}")
+    cfg, arch = load_hf_config(folder)
     n_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     return LlamaConfig(
