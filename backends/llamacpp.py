@@ -35,7 +35,7 @@ def default_threads() -> int:
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """llama.cpp prints load logs from C on fd 2 even with verbose=False; keep the user's terminal clean."""
     try:
         saved = os.dup(2)
@@ -93,7 +93,7 @@ class LlamaCppSession(Session):
             raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
                             f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
         try:
-            with _quiet_stderr():
+            with quiet_stderr():
                 n_threads = threads or default_threads()
                 self.llm = Llama(model_path=str(ref.path), n_ctx=self.settings.n_ctx, n_threads=n_threads,
                                  n_threads_batch=n_threads, n_batch=512, type_k=type_k, type_v=type_v,

@@ -57,10 +57,10 @@ def _open(path: Path, type_name: str, flash_attn: bool, n_ctx: int, threads: int
     import llama_cpp
     from llama_cpp import Llama
 
-    from localctx.backends.llamacpp import _quiet_stderr
+    from localctx.backends.llamacpp import quiet_stderr
 
     tid = getattr(llama_cpp, f"GGML_TYPE_{type_name.upper()}")
-    with _quiet_stderr():
+    with quiet_stderr():
         return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_batch=512, type_k=tid, type_v=tid,
                      flash_attn=flash_attn, verbose=False)
 

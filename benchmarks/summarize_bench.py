@@ -26,7 +26,7 @@ from localctx.app.summarize.batch import BatchConfig, summarize
 from localctx.app.summarize.events import JsonEvents
 from localctx.app.summarize.jobs import Settings
 from localctx.app.summarize.prompts import load_prompts
-from localctx.backends.llamacpp import LlamaCppSession, _quiet_stderr
+from localctx.backends.llamacpp import LlamaCppSession, quiet_stderr
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import resolve
 from localctx.kvcache.plan import Plan
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     # multi-token decode) default to every CPU; the batched contexts copy these params: give both
     # runs the same thread count for both phases.
     session.llm.context_params.n_threads_batch = session.llm.n_threads
-    with _quiet_stderr():
+    with quiet_stderr():
         naive_llm = Llama(model_path=str(ref.path), n_ctx=args.context, n_threads=session.llm.n_threads,
                           n_threads_batch=session.llm.n_threads, n_batch=512, verbose=False)
     settings = Settings(summary_tokens=args.summary_tokens, chunk_tokens=args.chunk_tokens, max_batch=args.batch)

@@ -2,13 +2,12 @@
 vocabulary-only, no weights), Hugging Face folders through ``tokenizers`` (tokenizer.json)."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from localctx.backends.chat_template import ChatTemplate
+from localctx.backends.llamacpp import quiet_stderr
 from localctx.kvcache.errors import UserError
 
 
@@ -31,23 +30,10 @@ def _meta(meta: dict, key: str, default=None):
     return value.item() if hasattr(value, "item") else value
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """llama.cpp logs from C even with verbose=False; keep its lines off the user's terminal."""
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def gguf_tokenizer(path: Path, meta: dict) -> Tokenizer:
     import llama_cpp
 
-    with _quiet_stderr():
+    with quiet_stderr():
         vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     add_bos = bool(_meta(meta, "tokenizer.ggml.add_bos_token", True))
     tokens = meta.get("tokenizer.ggml.tokens") or []
