@@ -167,3 +167,19 @@ def test_cuda_options_are_refused_without_a_gpu():
 def _greedy(n: int):
     from localctx.backends.base import GenerationParams
     return GenerationParams(max_tokens=n, temperature=0.0)
+
+
+def test_int8_linear_on_several_rows_matches_dense_and_leaves_its_input_alone():
+    from localctx.backends.torch.linear import Int8Linear
+
+    torch.manual_seed(0)
+    weight = torch.randn(48, 32)
+    layer = Int8Linear(weight, None, torch.float32)
+    rows = torch.randn(5, 32)
+    before = rows.clone()
+    out = layer(rows)  # 5 rows: activations quantized per row, int8 × int8
+    assert torch.equal(rows, before)
+    dense = rows @ layer.dequantized().T
+    assert (out - dense).abs().max() < 0.05 * dense.abs().max()
+    single = layer(rows[:1])  # one row: the weight-only kernel
+    assert torch.allclose(single, dense[:1], atol=1e-3, rtol=1e-3)

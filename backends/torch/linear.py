@@ -44,6 +44,7 @@ class Int8Linear(Linear):
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.qweight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         self.scales = scales.to(dtype)
+        self.scales_f32 = self.scales.float()  # the int8 × int8 path rescales in float32
         self.bias = bias
         self.out_features = weight.shape[0]
 
@@ -61,10 +62,11 @@ class Int8Linear(Linear):
         """Several rows at once (batched decode, prefill): each row is quantized to int8 with its
         own scale and multiplied in int8 × int8 → int32 (VNNI), as llama.cpp does with Q8
         activations; the weight-only kernel re-reads the weights for every row."""
-        row_scale = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 127.0
-        q = torch.round(rows.float() / row_scale).to(torch.int8)
+        x = rows.to(torch.float32, copy=True)  # scaled in place below: never the caller's tensor
+        row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+        q = x.div_(row_scale).round_().to(torch.int8)
         acc = torch._int_mm(q, self.qweight.t())
-        return (acc.float() * row_scale * self.scales.float()).to(rows.dtype)
+        return acc.float().mul_(row_scale).mul_(self.scales_f32).to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
