@@ -104,21 +104,30 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads for both runs")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--backend", default="llamacpp", choices=["llamacpp", "torch"],
+                    help="localctx's backend (the naive run is always llama-cpp-python); torch reads "
+                         "LOCALCTX_TORCH_DTYPE / _WEIGHTS / _THREADS")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the results here too")
     args = ap.parse_args(argv)
 
     from llama_cpp import Llama
     ref = resolve(args.model)
     spec = read_spec(ref)
-    plan = Plan.fixed("llamacpp", spec, KVPolicy(), args.context, reason="benchmark")
-    session = LlamaCppSession(ref, plan, threads=args.threads)
-    # LlamaCppSession sets n_threads only, so llama.cpp's batch threads (used for prefill and for any
-    # multi-token decode) default to every CPU; the batched contexts copy these params: give both
-    # runs the same thread count for both phases.
-    session.llm.context_params.n_threads_batch = session.llm.n_threads
+    plan = Plan.fixed(args.backend, spec, KVPolicy(), args.context, reason="benchmark")
+    if args.backend == "llamacpp":
+        session = LlamaCppSession(ref, plan, threads=args.threads)
+        # LlamaCppSession sets n_threads only, so llama.cpp's batch threads (used for prefill and for
+        # any multi-token decode) default to every CPU; the batched contexts copy these params: give
+        # both runs the same thread count for both phases.
+        session.llm.context_params.n_threads_batch = session.llm.n_threads
+        threads = session.llm.n_threads
+    else:
+        from localctx.backends import registry
+        session = registry.get("torch").load(ref, plan)
+        threads = args.threads or 2
     with quiet_stderr():
-        naive_llm = Llama(model_path=str(ref.path), n_ctx=args.context, n_threads=session.llm.n_threads,
-                          n_threads_batch=session.llm.n_threads, n_batch=512, verbose=False)
+        naive_llm = Llama(model_path=str(ref.path), n_ctx=args.context, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False)
     settings = Settings(summary_tokens=args.summary_tokens, chunk_tokens=args.chunk_tokens, max_batch=args.batch)
     work = Path(tempfile.mkdtemp(prefix="lcx-sumbench-"))
     corpus = work / "corpus"
@@ -127,7 +136,7 @@ def main(argv=None) -> int:
                         lambda s: len(naive_llm.tokenize(s.encode(), add_bos=False)))
     total = sum(docs.values())
     print(f"corpus: {len(docs)} documents, {total:,} tokens ({min(docs.values()):,}..{max(docs.values()):,}); "
-          f"context {args.context}, answer {args.summary_tokens} tokens, threads {session.llm.n_threads}",
+          f"context {args.context}, answer {args.summary_tokens} tokens, threads {threads}, localctx backend {args.backend}",
           file=sys.stderr)
     runs = {"naive": [], "localctx": []}
     for r in range(args.repeats):
