@@ -4,8 +4,9 @@ The high-level ``Llama`` object holds a single-sequence context. For a batch thi
 second context on the same weights with ``n_seq_max`` sequences, each in its own KV stream
 (``kv_unified`` off: a token attends over its own sequence's cells only, not over every cell of
 the batch; measured here, 4 × 1,700-token prompts prefill 1.6× and decode 1.5× faster than in
-one unified cache), sized to what the batch needs (never more than the plan's context), prefills every prompt in n_batch
-slices (logits only at each prompt's last token), then decodes one token per live sequence per
+one unified cache), sized to what the batch needs (never more than the plan's context),
+prefills every prompt in n_batch slices (logits only at each prompt's last token), then
+decodes one token per live sequence per
 ``llama_decode`` call — the weights are read once per step for the whole batch. Each sequence
 has its own sampler chain, and its tokens go through the shared ``stream`` loop, so stop strings,
 max tokens, UTF-8 and cancellation behave as in ``generate``. A finished sequence's KV cells are
