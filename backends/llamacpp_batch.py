@@ -6,8 +6,8 @@ second context on the same weights with ``n_seq_max`` sequences, each in its own
 the batch; measured here, 4 × 1,700-token prompts prefill 1.6× and decode 1.5× faster than in
 one unified cache), sized to what the batch needs (never more than the plan's context),
 prefills every prompt in n_batch slices (logits only at each prompt's last token), then
-decodes one token per live sequence per
-``llama_decode`` call — the weights are read once per step for the whole batch. Each sequence
+decodes one token per live sequence per ``llama_decode`` call — the weights are read once per
+step for the whole batch. Each sequence
 has its own sampler chain, and its tokens go through the shared ``stream`` loop, so stop strings,
 max tokens, UTF-8 and cancellation behave as in ``generate``. A finished sequence's KV cells are
 released at once; the context is freed when the batch ends."""
