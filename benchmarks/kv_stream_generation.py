@@ -59,8 +59,7 @@ def main(argv=None) -> int:
           f"cost model peak {format_bytes(peak)}", flush=True)
     print(f"{'streamed':>9} {'held tokens':>11} {'KV bytes':>10} {'predicted':>10} {'tok/s':>7}", flush=True)
     for i in range(1, args.tokens + 1):
-        token = int(logits[-1].argmax()) if logits.dim() > 1 else int(logits.argmax())
-        logits = engine.decode([0], [token])[0]
+        logits = engine.decode([0], [int(logits.argmax())])[0]  # greedy; [vocab] after prefill and decode
         n += 1
         held = cache.kv_bytes(0)
         predicted = cost.kv_bytes(spec, policy, n)
@@ -75,8 +74,8 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - started
     print(f"{args.tokens:,} tokens in {wall:.0f} s ({args.tokens / wall:.1f} tok/s); "
           f"bytes after the window filled: {len(after_fill)} distinct values, "
-          f"{min(after_fill, default=0):,}..{max(after_fill, default=0):,} (peak {peak:,}); steps whose bytes differed from the "
-          f"cost model: {mismatches}")
+          f"{min(after_fill, default=0):,}..{max(after_fill, default=0):,} (peak {peak:,}); "
+          f"steps whose bytes differed from the cost model: {mismatches}")
     return 0 if mismatches == 0 and after_fill and max(after_fill) <= peak else 1
 
 
