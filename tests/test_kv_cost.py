@@ -26,6 +26,9 @@ def test_quantized_bytes_per_token_count_payload_and_fp16_scale_and_min_per_grou
     elems = cost.kv_elements_per_token(SMOLLM2)  # 11,520
     assert cost.quant_bytes_per_token(SMOLLM2, 8, 32) == 11_520 + 360 * 4
     assert cost.quant_bytes_per_token(SMOLLM2, 4, 64) == elems // 2 + elems // 64 * 4
+    # the policy's per-token bytes are the same figures
+    assert cost.kv_bytes_per_token(SMOLLM2, KVPolicy(bits=8)) == elems + elems // 32 * 4
+    assert cost.kv_bytes_per_token(SMOLLM2, KVPolicy(bits=4, group_size=64)) == elems // 2 + elems // 64 * 4
 
 
 def test_residual_stays_full_precision_until_a_whole_group_ages_out():
@@ -75,3 +78,14 @@ def test_heavy_hitters_add_their_budget_once_the_window_is_full(text, n, held):
     policy = KVPolicy.parse(text)
     assert cost.held_tokens(policy, 50) == 50
     assert cost.held_tokens(policy, n) == held
+
+
+def test_roofline_reads_weights_once_per_step_for_the_batch():
+    one = cost.decode_tok_s_roofline(100e9, weight_bytes=10**9, kv_read_bytes=0)
+    eight = cost.decode_tok_s_roofline(100e9, weight_bytes=10**9, kv_read_bytes=0, batch=8)
+    assert one == 100 and eight == 800
+
+
+def test_format_bytes():
+    assert cost.format_bytes(180 * MIB) == "180.0 MiB"
+    assert cost.format_bytes(512) == "512 B"
