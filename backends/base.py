@@ -150,6 +150,11 @@ class Backend(ABC):
     @abstractmethod
     def capabilities(self) -> Capabilities: ...
 
+    def calibration_name(self) -> str:
+        """The name its speed calibrations are stored under (kvcache.calibration): the backend's name,
+        plus the settings its speed depends on where those vary from run to run."""
+        return self.name
+
     def refusals(self, policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
         return self.capabilities().refusals(policy)
 

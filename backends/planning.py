@@ -46,12 +46,26 @@ def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ..
     return BackendView(name, lambda policy: backend.refusals(policy, spec)), ()
 
 
+def calibration_name(name: str, hw: HardwareProfile) -> str:
+    """What the backend's calibration for ``hw`` is stored under. Settings that change a backend's speed
+    (the torch backend's dtype, weight format, threads) are this machine's, so they apply only to a
+    detected machine; a named profile is looked up under the plain backend name."""
+    cls = registry.backend_class(name)
+    if cls is None or not hw.detected:
+        return name
+    return cls().calibration_name()
+
+
+def speed_model(name: str, hw: HardwareProfile) -> SpeedModel:
+    return SpeedModel(hw, calibration.load(calibration_name(name, hw), hw.key))
+
+
 def planning_context(backend: str, spec: ModelSpec, hardware: str | None = None,
                      measure: bool = True) -> PlanningContext:
     hw = resolve_hardware(hardware, measure=measure)
     name = choose_backend(backend, hw)
     view, notes = backend_view(name, spec)
-    return PlanningContext(hw, view, SpeedModel(hw, calibration.load(name, hw.key)), notes)
+    return PlanningContext(hw, view, speed_model(name, hw), notes)
 
 
 def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: PlanRequest) -> Plan:
@@ -108,7 +122,7 @@ def decision_rows(hardware_names=TABLE_HARDWARE, model_names=TABLE_MODELS, conte
             spec = known_spec(model)
             name = choose_backend(backend, hw)
             view, notes = backend_view(name, spec)
-            ctx = PlanningContext(hw, view, SpeedModel(hw, calibration.load(name, hw.key)), notes)
+            ctx = PlanningContext(hw, view, speed_model(name, hw), notes)
             for c in contexts:
                 req = PlanRequest(context=c)
                 kv_budget = budget(hw, spec, req, view).kv

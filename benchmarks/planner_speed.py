@@ -1,11 +1,12 @@
-"""Projected vs measured decode tok/s of the llama.cpp backend on this machine.
+"""Projected vs measured decode tok/s of the llama.cpp or torch backend on this machine.
 
-The planner's projection (the calibration for this CPU class, from the user cache or the committed
-default in assets/) is compared with `session.generate` on the bundled SmolLM2 at 256, 2K and 8K
-prompt tokens, greedy, through the localctx llama.cpp backend. Rounds are interleaved (each round
-visits every context length, ascending, reusing the cached prefix), and medians are reported.
+The planner's projection (the backend's calibration for this CPU class, from the user cache or the
+committed default in assets/; for torch, the one measured with the current LOCALCTX_TORCH_* settings)
+is compared with `session.generate` on the bundled SmolLM2 at 256, 2K and 8K prompt tokens, greedy,
+fp16 KV. Rounds are interleaved (each round visits every context length, ascending, reusing the
+cached prefix), and medians are reported.
 
-    PYTHONPATH=.dev python benchmarks/planner_speed.py --rounds 3 [--calibrate] [--save m.json]
+    PYTHONPATH=.dev python benchmarks/planner_speed.py --rounds 3 [--backend torch] [--calibrate] [--save m.json]
     PYTHONPATH=.dev python benchmarks/planner_speed.py --report m.json   # project again, e.g. after calibrating
 """
 from __future__ import annotations
@@ -16,27 +17,22 @@ import statistics
 import sys
 from pathlib import Path
 
-from localctx.app.session_options import SessionRequest, make_plan, resolve_model
+from localctx.app.session_options import SessionRequest, resolve_model
+from localctx.app.bench.prompt import fit_text
+from localctx.backends import registry
 from localctx.backends.base import GenerationParams
-from localctx.backends.llamacpp import LlamaCppBackend
 from localctx.backends.planning import planning_context
+from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
-
-
-def text_prompt(session, n_tokens: int) -> str:
-    import pydoc_data.topics as topics
-
-    ids = session.llm.tokenize("\n\n".join(topics.topics.values()).encode(), add_bos=False)[: n_tokens - 1]
-    return session.llm.detokenize(ids).decode("utf-8", errors="ignore")
 
 
 def measure(args) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
-    req = SessionRequest(model=None, backend="llamacpp", context=max(contexts) + args.gen + 64)
+    req = SessionRequest(model=None, backend=args.backend, context=max(contexts) + args.gen + 64)
     ref, spec = resolve_model(req)
-    plan = make_plan(req, spec)
-    session = LlamaCppBackend().load(ref, plan)
-    prompts = {n: text_prompt(session, n) for n in contexts}
+    plan = Plan.fixed(args.backend, spec, KVPolicy(), req.context)  # fp16: the format the planner picks here
+    session = registry.get(args.backend).load(ref, plan)
+    prompts = {n: fit_text(session.count_tokens, n) for n in contexts}
     measured: dict[int, list[float]] = {n: [] for n in contexts}
     for r in range(args.rounds):
         session.reset()
@@ -46,16 +42,17 @@ def measure(args) -> dict:
             print(f"  round {r + 1}: {done.stats.prompt_tokens} prompt tokens → {done.stats.decode_tok_s:.1f} tok/s",
                   file=sys.stderr)
     session.close()
-    return {"policy": str(plan.policy), "gen": args.gen, "measured": {str(k): v for k, v in measured.items()}}
+    return {"backend": args.backend, "policy": str(plan.policy), "gen": args.gen,
+            "measured": {str(k): v for k, v in measured.items()}}
 
 
 def report(data: dict) -> int:
     """Projected (from the calibration found now) beside measured, as a markdown table."""
-    req = SessionRequest(model=None, backend="llamacpp")
-    _, spec = resolve_model(req)
-    ctx = planning_context("llamacpp", spec)
+    backend = data.get("backend", "llamacpp")
+    _, spec = resolve_model(SessionRequest(model=None, backend=backend))
+    ctx = planning_context(backend, spec)
     policy = KVPolicy.parse(data["policy"])
-    print(f"plan: {policy} on {ctx.hardware.name}; projection basis: {ctx.speed.basis(policy)}")
+    print(f"{backend} {policy} on {ctx.hardware.name}; projection basis: {ctx.speed.basis(policy)}")
     print("\n| prompt tokens | projected tok/s | measured tok/s (median) | measured / projected | runs |")
     print("|---:|---:|---:|---:|---|")
     worst = 0.0
@@ -73,6 +70,7 @@ def report(data: dict) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backend", default="llamacpp", choices=("llamacpp", "torch"))
     ap.add_argument("--contexts", default="256,2048,8000")
     ap.add_argument("--gen", type=int, default=48, help="tokens generated per measurement")
     ap.add_argument("--calibrate", action="store_true", help="re-measure the calibration first")
@@ -82,7 +80,10 @@ def main() -> int:
     if args.report:
         return report(json.loads(Path(args.report).read_text()))
     if args.calibrate:
-        from localctx.backends.llamacpp_calibrate import calibrate_and_save
+        if args.backend == "torch":
+            from localctx.backends.torch.calibrate import calibrate_and_save
+        else:
+            from localctx.backends.llamacpp_calibrate import calibrate_and_save
 
         _, path = calibrate_and_save(progress=lambda s: print(s, file=sys.stderr))
         print(f"calibration written to {path}", file=sys.stderr)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from localctx.backends.torch.rope import Rope
 from localctx.kvcache import cost
-from localctx.kvcache.attention import dense_attention
+from localctx.kvcache.attention import dense_attention, run_attention
 from localctx.kvcache.block_pool import BlockPool, PoolExhausted
 from localctx.kvcache.paged import CacheShape, PagedKVCache
 from localctx.kvcache.policy import FP16
@@ -181,3 +181,26 @@ def test_bf16_cache_bytes_follow_the_element_size():
     spec2 = dataclasses.replace(SPEC, kv_elem_bytes=2)
     assert cache.kv_bytes() == cost.kv_bytes(spec2, FP16, 5) == 5 * 2 * 2 * 2 * 8 * 2
     assert cache.pool_bytes() == 4 * 4 * 2 * 2 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (9, 3)])
+def test_decode_over_block_runs_matches_dense_attention_with_grouped_queries(heads, kv_heads):
+    """run_attention hands SDPA each KV head's query heads as rows (no K/V expansion): same result."""
+    torch.manual_seed(heads)
+    bs, D = 4, 16
+    lengths = [1, 7, 13]  # tokens held per sequence, the new one included; not multiples of the block
+    firsts, n_blocks = [], 0
+    for n in lengths:
+        firsts.append(n_blocks)
+        n_blocks += -(-n // bs) + 1  # a free block between runs
+    k_blocks = torch.randn(n_blocks, bs, kv_heads, D)
+    v_blocks = torch.randn(n_blocks, bs, kv_heads, D)
+    q = torch.randn(len(lengths), 1, heads, D)
+    out = run_attention(q, k_blocks, v_blocks, list(zip(firsts, lengths)), scale=0.3)
+    for b, (first, n) in enumerate(zip(firsts, lengths)):
+        k = k_blocks[first:].reshape(-1, kv_heads, D)[:n][None]
+        v = v_blocks[first:].reshape(-1, kv_heads, D)[:n][None]
+        want = dense_attention(q[b:b + 1], k, v, torch.tensor([[n - 1]]), scale=0.3)
+        torch.testing.assert_close(out[b:b + 1], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        run_attention(torch.randn(1, 2, heads, D), k_blocks, v_blocks, [(0, 2)])

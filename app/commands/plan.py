@@ -8,8 +8,8 @@ import json
 import sys
 
 from localctx.app.session_options import SessionRequest, add_session_options, make_plan, resolve_model
-from localctx.backends.hardware import profile_names
-from localctx.backends.planning import planning_context
+from localctx.backends.hardware import profile_names, resolve_hardware
+from localctx.backends.planning import choose_backend, planning_context
 from localctx.kvcache import known_models
 from localctx.kvcache.cost import format_bytes, full_bytes_per_token
 from localctx.kvcache.errors import UserError
@@ -27,7 +27,8 @@ def register(sub) -> None:
     p.add_argument("--heavy", action="store_true", help="also consider heavy-hitter (H2O) eviction")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure llama.cpp's decode cost per KV format on this machine first (about a minute)")
+                   help="measure the backend's decode cost per KV format on this machine first (llama.cpp by "
+                        "default, about a minute; --backend torch: with its current settings, about two minutes)")
     p.add_argument("--list-hardware", action="store_true", help="list the named hardware profiles")
     p.set_defaults(handler=handle)
 
@@ -76,9 +77,18 @@ def handle(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> None:
     if args.hardware:
         raise UserError("--calibrate measures this machine; drop --hardware")
-    from localctx.backends.llamacpp_calibrate import calibrate_and_save
+    backend = choose_backend(args.backend, resolve_hardware(None))
+    if backend == "torch":
+        from localctx.backends.registry import get
+        from localctx.backends.torch.calibrate import calibrate_and_save
 
-    print("calibrating llama.cpp decode cost per KV format (interleaved timing; about a minute)...",
+        get("torch")  # a one-line error when torch is missing
+    elif backend == "llamacpp":
+        from localctx.backends.llamacpp_calibrate import calibrate_and_save
+    else:
+        raise UserError(f"--calibrate measures the llamacpp or torch backend, not {backend}; "
+                        "add --backend llamacpp or --backend torch")
+    print(f"calibrating {backend} decode cost per KV format (interleaved timing; a minute or two)...",
           file=sys.stderr)
     cal, path = calibrate_and_save(progress=lambda line: print(line, file=sys.stderr))
     print(f"calibration saved to {path}: {cal.note}", file=sys.stderr)

@@ -27,6 +27,12 @@ class TorchBackend(Backend):
 
         return self._options or TorchOptions.from_env()
 
+    def calibration_name(self) -> str:
+        """``torch-<device>-<dtype>-<weights>[-<threads>t]``: a calibration holds for one setting only."""
+        if self.unavailable_reason():
+            return self.name
+        return f"{self.name}-{self.options().speed_key()}"
+
     def capabilities(self) -> Capabilities:
         return Capabilities(kv_bits=frozenset({16, 8, 4}), residual=True, sinks_window=True, heavy=True, batch=True,
                             notes=("full-precision paged KV, or the policy cache (quantized, sinks + window, "

@@ -62,6 +62,18 @@ class TorchOptions:
         opts = cls(device=device, dtype=DTYPES[name], weights=weights, threads=int(threads) if threads else None)
         return dataclasses.replace(opts, **overrides).checked()
 
+    def speed_settings(self) -> dict:
+        """The settings a decode step's speed depends on (a calibration holds for these only)."""
+        out = {"device": self.device, "dtype": str(self.dtype).replace("torch.", ""), "weights": self.weights}
+        if self.device == "cpu":
+            out["threads"] = self.threads or torch.get_num_threads()
+        return out
+
+    def speed_key(self) -> str:
+        """``speed_settings`` as a file-name part, e.g. ``cpu-bfloat16-int8-2t``."""
+        s = self.speed_settings()
+        return "-".join([s["device"], s["dtype"], s["weights"]] + ([f"{s['threads']}t"] if "threads" in s else []))
+
     def checked(self) -> "TorchOptions":
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError("the torch backend was asked for CUDA but torch sees no GPU; set LOCALCTX_TORCH_DEVICE=cpu")
