@@ -43,7 +43,8 @@ def split_tokens(policy: KVPolicy, n_tokens: int) -> tuple[int, int]:
     What the cache stores (kvcache/eviction.py has the rules): the sinks stay full precision;
     the main stream is quantized a whole aligned group at a time once the group is older than
     the residual, and only when a group can age out of the residual inside the window
-    (window >= residual + group, or no window), else everything held is full precision; a
+    (window >= residual + group, or no window), else everything held is full precision; with
+    no window the first group of the main stream (the head) is never quantized; a
     quantized group leaves the window whole (so the window holds W..W+g-1 tokens), and heavy
     hitters among quantized tokens are whole groups (ceil(heavy / g) of them)."""
     held = held_counts(policy, n_tokens)

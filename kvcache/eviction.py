@@ -9,10 +9,14 @@ The rules, for a stream of ``n`` tokens (index 0 = the first token) and a policy
    ``m`` = max(0, n − S) main tokens have arrived.
 2. **Quantization.** The main stream is cut into aligned groups of g tokens (group k = main
    indices kg … kg+g−1). Group k is quantized once it is entirely older than the residual:
-   (k+1)·g ≤ m − R. Younger tokens stay in full precision. Quantization applies only when a
-   group can age out of the residual before it leaves the window (W ≥ R + g, or no window);
-   otherwise every kept token stays in full precision — nothing is ever quantized and then
-   immediately thrown away. ``quantizes(policy)`` says which case holds.
+   (k+1)·g ≤ m − R. Younger tokens stay in full precision. Without a window, group 0 (the
+   *head*) is never quantized: the first tokens are where the attention sink forms (every
+   query puts much of its attention there, so their key error shifts every query's softmax;
+   docs/quality.md measures it). With a window group 0 is quantized and leaves like any
+   other, and the sinks (rule 1) are what keeps the first tokens, in full precision.
+   Quantization applies only when a group can age out of the residual before it leaves the
+   window (W ≥ R + g, or no window); otherwise every kept token stays in full precision —
+   nothing is ever quantized and then immediately thrown away. ``quantizes(policy)`` says which case holds.
 3. **Window.** A unit (a full-precision token, or a whole quantized group) leaves the window
    when its newest token is older than the last W main tokens: newest main index < m − W.
    A quantized group is evicted whole, never split (splitting would mean re-quantizing its
@@ -37,6 +41,12 @@ def quantizes(policy: KVPolicy) -> bool:
     if not policy.quantized:
         return False
     return policy.window is None or policy.window >= policy.residual + policy.group_size
+
+
+def head_groups(policy: KVPolicy) -> int:
+    """Main-stream groups at the start that stay in full precision (rule 2): one in a quantizing
+    cache without a window, none otherwise."""
+    return 1 if quantizes(policy) and policy.window is None else 0
 
 
 def heavy_units(policy: KVPolicy) -> int:
@@ -74,7 +84,7 @@ def held_counts(policy: KVPolicy, n_tokens: int) -> HeldCounts:
     m = n - sinks
     W = policy.window
     if quantizes(policy):
-        formed = max(0, m - policy.residual) // g
+        formed = max(0, max(0, m - policy.residual) // g - head_groups(policy))
         full = m - formed * g
         first_in_window = 0 if W is None else max(0, m - W) // g
         heavy = min(first_in_window, heavy_units(policy))

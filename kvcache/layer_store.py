@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from localctx.kvcache import quant
+from localctx.kvcache import eviction, quant
 from localctx.kvcache.eviction_masks import keep_heaviest, leaving
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quant_attention import FullTokens, QuantGroups
@@ -52,6 +52,7 @@ class LayerStore:
         # (k, v [G, H, g, D], bits, g) -> stacked (keys, values); None: kvcache.quant per group
         self.quantize_groups = quantize_groups
         self.quantizes = quantizes
+        self.head_groups = eviction.head_groups(policy)
         self.heavy_units = heavy_units
         H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
         self.full_k = Rows((H, D), dtype, device)  # [N, H, D] before RoPE
@@ -140,20 +141,20 @@ class LayerStore:
         self.full_mass.append(mass if mass is not None else torch.zeros(T, device=k.device))
 
     def age(self, n_seen: int) -> None:
-        """Quantize every whole group that is older than the residual (rule 2)."""
+        """Quantize every whole group past the head that is older than the residual (rule 2)."""
         if not self.quantizes:
             return
         p = self.policy
         g, S = p.group_size, p.sinks
         m = max(0, n_seen - S)
         idx = self.full_idx.view
-        tail = idx >= S
+        tail = idx >= S + self.head_groups * g  # the sinks and the head stay full precision
         n_tail = int(tail.sum())
         first = int(idx[tail][0]) - S if n_tail else 0
         n_groups = max(0, (m - p.residual - first) // g) if n_tail else 0
         if n_groups == 0:
             return
-        start = self.full_idx.n - n_tail  # sinks come first in stream order
+        start = self.full_idx.n - n_tail  # sinks and head come first in stream order
         take = slice(start, start + n_groups * g)
         H, D = self.full_k.buf.shape[1:]
         k = self.full_k.view[take].reshape(n_groups, g, H, D).transpose(1, 2)

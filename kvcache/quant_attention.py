@@ -7,9 +7,9 @@ One call covers one layer of one sequence. Its inputs:
 
 - ``q``: [T, n_heads, D] queries of the T new tokens, **before RoPE**; ``q_positions``: [T]
   their in-cache positions (long).
-- ``full``: the full-precision tokens (sinks, the recent residual, the new tokens themselves,
-  and any full-precision heavy hitters): ``k``, ``v`` [n_kv_heads, N, D] keys **before RoPE**,
-  ``positions`` [N] in-cache positions.
+- ``full``: the full-precision tokens (sinks, the head group of an unbounded quantized cache,
+  the recent residual, the new tokens themselves, and any full-precision heavy hitters):
+  ``k``, ``v`` [n_kv_heads, N, D] keys **before RoPE**, ``positions`` [N] in-cache positions.
 - ``quant``: the quantized groups (or None), ``G`` groups of ``g`` tokens, layout of
   ``kvcache/quant.py``: keys ``k.codes`` uint8 [G, Hkv, g, D*bits/8], ``k.scale``/``k.min``
   fp16 [G, Hkv, 1, D] (per channel over the group's tokens); values ``v.codes`` uint8

@@ -32,17 +32,31 @@ def test_quantized_bytes_per_token_count_payload_and_fp16_scale_and_min_per_grou
 
 
 def test_residual_stays_full_precision_until_a_whole_group_ages_out():
+    """Without a window the head (the first group, tokens 0..31) is never quantized; group 1
+    (tokens 32..63) is once all of it is older than the 128-token residual."""
     policy = KVPolicy.parse("int4+res128")
     full, q = cost.full_bytes_per_token(SMOLLM2), cost.quant_bytes_per_token(SMOLLM2, 4, 32)
     assert cost.kv_bytes(SMOLLM2, policy, 100) == 100 * full
-    assert cost.kv_bytes(SMOLLM2, policy, 128 + 31) == 159 * full
-    assert cost.kv_bytes(SMOLLM2, policy, 128 + 32) == 32 * q + 128 * full
-    assert cost.split_tokens(policy, 1000) == (864, 136)
+    assert cost.kv_bytes(SMOLLM2, policy, 128 + 32) == 160 * full  # group 0 aged out: the head stays
+    assert cost.kv_bytes(SMOLLM2, policy, 128 + 63) == 191 * full
+    assert cost.kv_bytes(SMOLLM2, policy, 128 + 64) == 32 * q + (32 + 128) * full
+    # 1000 tokens: groups 0..26 are older than the residual (27 * 32 = 864 <= 872); 1..26 quantized
+    assert cost.split_tokens(policy, 1000) == (832, 168)
 
 
 def test_sinks_stay_full_precision_and_groups_align_after_them():
     policy = KVPolicy.parse("int8+sink4")
-    assert cost.split_tokens(policy, 4 + 64 + 5) == (64, 9)
+    # main tokens 0..31 are the head; group 1 (main 32..63) is quantized
+    assert cost.split_tokens(policy, 4 + 64 + 5) == (32, 4 + 32 + 5)
+    assert cost.split_tokens(policy, 4 + 96) == (64, 4 + 32)
+
+
+def test_only_an_unbounded_quantized_cache_keeps_a_full_precision_head():
+    assert held_counts(KVPolicy.parse("int4"), 96).quant_groups == 2
+    assert held_counts(KVPolicy.parse("int4+g64"), 128).quant_groups == 1
+    # with a window the sinks keep the first tokens; the first group is quantized like the rest
+    assert held_counts(KVPolicy.parse("int4+win4096"), 96).quant_groups == 3
+    assert held_counts(KVPolicy.parse("int4+sink4+win4096"), 100).quant_groups == 3
 
 
 def test_window_bounds_the_bytes():

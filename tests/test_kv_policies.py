@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from localctx.backends.torch.rope import Rope
-from localctx.kvcache import cost
+from localctx.kvcache import cost, quant
 from localctx.kvcache.attention import dense_attention
 from localctx.kvcache.block_pool import PoolExhausted
 from localctx.kvcache.errors import UserError
@@ -106,12 +106,49 @@ def test_sinks_and_window_attend_over_exactly_the_kept_tokens_at_reindexed_posit
         n += T
 
 
+@pytest.mark.parametrize("text", ["int4+res16", "int8", "int4+g64+sink3"])
+def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
+    """A reference built from scratch: every token's exact K/V; before each step, main-stream
+    groups 1, 2, ... that are entirely older than the residual are quantized and dequantized
+    (kvcache.quant), group 0 (the head) and the sinks are not; rotate at positions, dense attention."""
+    policy = KVPolicy.parse(text)
+    S, g, R, bits = policy.sinks, policy.group_size, policy.residual, policy.bits
+    cache = PolicyKVCache(SHAPE, policy, ROPE)
+    cache.add_sequence(0)
+    gen = torch.Generator().manual_seed(11)
+    hist_k, hist_v = [[] for _ in range(L)], [[] for _ in range(L)]
+    n = 0
+    for T in [40, 1, 1, 30, 1, 70, 1, 100, 1]:
+        cache.begin_step([0], T)
+        n_groups = max(0, n - S - R) // g  # aligned main groups older than the residual, the head included
+        for layer in range(L):
+            q, k, v = (torch.randn(1, T, h, D, generator=gen) for h in (H, HKV, HKV))
+            k[0, :, :, 0] += 8.0 * (torch.arange(T) + n == 0)[:, None]  # an outlier at token 0, as attention sinks have
+            out = cache.attend(layer, q, k, v)
+            hist_k[layer].append(k[0]); hist_v[layer].append(v[0])
+            allk, allv = torch.cat(hist_k[layer]).clone(), torch.cat(hist_v[layer]).clone()
+            for grp in range(1, n_groups):
+                sel = slice(S + grp * g, S + (grp + 1) * g)
+                gk, gv = allk[sel].transpose(0, 1), allv[sel].transpose(0, 1)  # [H, g, D]
+                allk[sel] = quant.dequantize_keys(quant.quantize_keys(gk, bits)).transpose(0, 1)
+                allv[sel] = quant.dequantize_values(quant.quantize_values(gv, bits, g), g).transpose(0, 1)
+            pos = torch.arange(n + T)[None]
+            ref = dense_attention(ROPE.rotate(q, pos[:, n:]), ROPE.rotate(allk[None], pos), allv[None], pos[:, n:])
+            assert torch.allclose(out, ref, atol=1e-5), f"{text}: attention differs at {n} tokens"
+        layer0 = cache._seqs[0].layers[0]
+        assert layer0.n_groups == max(0, (n + T - S - R) // g - 1)
+        assert set(range(min(n + T, S + g))) <= set(layer0.full_idx.view.tolist()), "the head was quantized"
+        n += T
+    assert n_groups >= 3  # two or more quantized groups past the head
+
+
 @pytest.mark.parametrize("bits,tol", [(8, 0.03), (4, 0.3)])
 def test_quantized_cache_tracks_the_full_precision_cache(bits, tol):
     exact = PolicyKVCache(SHAPE, KVPolicy(), ROPE)
     lossy = PolicyKVCache(SHAPE, KVPolicy(bits=bits), ROPE)
     worst = 0.0
-    for (_, a), (_, b) in zip(stream(exact, [0], STEPS[:12]), stream(lossy, [0], STEPS[:12])):
+    steps = STEPS[:12] + [256, 256]  # 691 tokens: the 32-token full-precision head is a small part
+    for (_, a), (_, b) in zip(stream(exact, [0], steps), stream(lossy, [0], steps)):
         worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(a, b)))
     assert 0 < worst < tol
     assert lossy.kv_bytes(0) < exact.kv_bytes(0) * (0.4 if bits == 8 else 0.3)

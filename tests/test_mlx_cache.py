@@ -15,7 +15,7 @@ H_Q, H_KV, D = 4, 2, 64
 SPEC = ModelSpec(name="tiny", architecture="llama", n_layers=1, n_heads=H_Q, n_kv_heads=H_KV, head_dim=D,
                  hidden_size=H_Q * D, vocab_size=10, context_length=4096)
 SHAPE = CacheShape(H_KV, D, mx.float16, traditional_rope=True)
-CHUNKS = [5, 1, 1, 37, 1, 1, 1, 20] + [1] * 12 + [30] + [1] * 8  # prefill chunks and decode steps
+CHUNKS = [5, 1, 1, 37, 1, 1, 1, 20] + [1] * 12 + [30] + [1] * 8 + [70, 1]  # prefill chunks and decode steps
 
 POLICIES = ["fp16", "int8", "int4", "int4+res16", "int8+g64+res8", "fp16+sink4+win24", "fp16+win30",
             "fp16+sink2+win16+heavy8", "int8+sink4+win40", "int4+res8+sink4+win48+heavy8", "int4+g64+win70",
@@ -80,11 +80,11 @@ def test_quantized_groups_leave_the_window_whole():
 def test_truncate_only_where_exact():
     policy = KVPolicy.parse("int8+res8")
     cache = LayerCache(policy, SHAPE, inv_frequencies(D, 10000.0))
-    cache.attend(mx.zeros((H_Q, 50, D)), mx.ones((H_KV, 50, D)), mx.ones((H_KV, 50, D)), 0.1)
-    assert len(cache.q_ids) == 32
-    assert cache.can_truncate(45) and not cache.can_truncate(20)  # 20 tokens never form that group
-    cache.truncate(45)
-    assert cache.n_seen == 45 and cache.nbytes() == cost.kv_bytes(SPEC, policy, 45)
+    cache.attend(mx.zeros((H_Q, 80, D)), mx.ones((H_KV, 80, D)), mx.ones((H_KV, 80, D)), 0.1)
+    assert cache.q_ids.tolist() == list(range(32, 64))  # tokens 0..31 are the full-precision head
+    assert cache.can_truncate(75) and not cache.can_truncate(50)  # 50 tokens never form that group
+    cache.truncate(75)
+    assert cache.n_seen == 75 and cache.nbytes() == cost.kv_bytes(SPEC, policy, 75)
 
 
 def test_reset_forgets_everything():

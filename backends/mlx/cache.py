@@ -4,7 +4,8 @@ kvcache/eviction.py (the torch backend's policy cache follows the same ones):
 
 sinks stay full precision; the main stream is quantized an aligned group of ``group_size``
 tokens at a time once the group is older than the residual (only when a group can age out of
-the residual inside the window); a unit — a full-precision token or a whole quantized group —
+the residual inside the window; without a window the first group, the head, stays full
+precision); a unit — a full-precision token or a whole quantized group —
 leaves when its newest token falls out of the window, and the units that left compete for the
 heavy-hitter budget by accumulated attention mass.
 
@@ -43,6 +44,7 @@ class LayerCache:
         self.fmt = QuantFormat(policy.bits if policy.quantized else 8, policy.group_size)
         self.quantizes = eviction.quantizes(policy)
         self.heavy_units = eviction.heavy_units(policy)
+        self.head = eviction.head_groups(policy)  # groups at the start of the main stream kept full precision
         self.track_mass = bool(self.heavy_units) and policy.window is not None
         self.reset()
 
@@ -143,7 +145,7 @@ class LayerCache:
     # -- quantization as tokens age (rule 2) ---------------------------------------------
     def _quantize_aged(self) -> None:
         p, g = self.policy, self.fmt.group_size
-        main = np.flatnonzero(self.f_ids >= p.sinks)  # after the sinks, in stream order
+        main = np.flatnonzero(self.f_ids >= p.sinks + self.head * g)  # after the sinks and the head, in stream order
         if not len(main):
             return
         m = max(0, self.n_seen - p.sinks)

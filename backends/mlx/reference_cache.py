@@ -63,10 +63,11 @@ class ReferenceLayerCache:
         return out.reshape(q.shape[0], length, -1)
 
     def _quantize_aged(self) -> None:
-        """Group k of the main stream (tokens sinks + k*g ...) once (k+1)*g <= m - residual."""
+        """Group k of the main stream (tokens sinks + k*g ...) once (k+1)*g <= m - residual;
+        without a window group 0 (the head) never."""
         p, g = self.policy, self.fmt.group_size
         m = max(0, self.n_seen - p.sinks)
-        for k in range(max(0, m - p.residual) // g):
+        for k in range(eviction.head_groups(p), max(0, m - p.residual) // g):
             group = np.arange(p.sinks + k * g, p.sinks + (k + 1) * g)
             if self.quantized[group[0]] or not self.kept[group].all():
                 continue
