@@ -128,8 +128,10 @@ class KVPolicy:
         kind = "exact" if self.exact else "lossy"
         what = []
         if self.quantized:
+            exact_ends = [] if self.evicts else [f"first {self.group_size}"]  # the head group (kvcache/eviction.py)
+            exact_ends += [f"last {self.residual}"] if self.residual else []
             what.append(f"{self.bits}-bit KV (groups of {self.group_size}"
-                        + (f", last {self.residual} tokens full precision)" if self.residual else ")"))
+                        + (f", {' and '.join(exact_ends)} tokens full precision)" if exact_ends else ")"))
         else:
             what.append("full-precision KV")
         if self.evicts:

@@ -48,3 +48,11 @@ def test_exactness_and_capacity():
     assert not lossy.exact and lossy.capacity() == 1128
     assert lossy.kept_tokens(500) == 500 and lossy.kept_tokens(50_000) == 1128
     assert KVPolicy.parse("int4").capacity() is None
+
+
+def test_describe_says_which_tokens_a_quantized_cache_keeps_exact():
+    assert KVPolicy.parse("int4+res128").describe() == \
+        "lossy: 4-bit KV (groups of 32, first 32 and last 128 tokens full precision)"
+    assert KVPolicy.parse("int8+g64").describe() == "lossy: 8-bit KV (groups of 64, first 64 tokens full precision)"
+    assert KVPolicy.parse("int4+sink4+win1024").describe() == \
+        "lossy: 4-bit KV (groups of 32), keeps first 4 + last 1024 tokens"  # with a window the sinks keep the head
