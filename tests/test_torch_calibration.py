@@ -74,7 +74,7 @@ def test_planner_uses_a_torch_calibration_only_under_the_settings_it_was_measure
     want = 1 / (0.02 + 1e-10 * cost.kv_bytes(SMOL, KVPolicy(), 2048))
     assert ctx.speed.decode_tok_s(SMOL, KVPolicy(), 2048) == pytest.approx(want)
     assert ctx.speed.basis(KVPolicy()).startswith("calibrated")
-    _cpu_env(monkeypatch, "bf16", "int8", 2)  # another thread count: that measurement does not apply
+    _cpu_env(monkeypatch, "bf16", "int8", 3)  # another thread count: that measurement does not apply
     assert planning_context("torch", SMOL).speed.calibration is None
     assert planning_context("torch", SMOL, hardware="rtx4090").speed.calibration is None
 
