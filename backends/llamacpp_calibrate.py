@@ -6,7 +6,6 @@ One timed step = evaluate one token at position n, then drop it again (seq_rm), 
 of a context sees exactly n cached tokens. Medians of the samples are fitted."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -16,7 +15,7 @@ from localctx.backends.hardware import detect
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import ModelRef, resolve
 from localctx.kvcache import cost
-from localctx.kvcache.calibration import Calibration, FormatCost, now_utc, save
+from localctx.kvcache.calibration import Calibration, FormatCost, load_note, now_utc, save
 from localctx.kvcache.policy import KVPolicy
 
 # the settings timed per format; the faster fp16 variant wins (flash attention helps on some CPUs only)
@@ -101,11 +100,7 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = (256, 4
     for llm in llms:
         llm.close()
     cal = _fit(spec, ref, hw, probes, prefill_rates, threads)
-    try:
-        load = f"{os.getloadavg()[0]:.1f}"
-    except (AttributeError, OSError):  # no load average on this platform
-        load = "unknown"
-    return replace(cal, note=cal.note + f"; 1-minute load average {load} on {os.cpu_count()} CPUs at the end")
+    return replace(cal, note=cal.note + "; " + load_note())
 
 
 def _fit(spec, ref, hw, probes: list[_Probe], prefill_rates: list[float], threads: int) -> Calibration:

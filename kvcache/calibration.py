@@ -17,6 +17,7 @@ the user cache directory, then among the defaults committed in ``assets/calibrat
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -144,3 +145,12 @@ def load(backend: str, hardware_key: str) -> Calibration | None:
 
 def now_utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def load_note() -> str:
+    """How busy the machine was as a calibration ended (a busy machine times slow steps)."""
+    try:
+        load = f"{os.getloadavg()[0]:.1f}"
+    except (AttributeError, OSError):  # no load average on this platform
+        load = "unknown"
+    return f"1-minute load average {load} on {os.cpu_count()} CPUs at the end"

@@ -13,7 +13,6 @@ interleaved rounds, so load from other processes hits them alike. A sample is on
 step plus the greedy argmax, as generation does it."""
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from localctx.backends.modelref import ModelRef, resolve
 from localctx.backends.torch.backend import TorchBackend
 from localctx.backends.torch.loading import build_session, load_model
 from localctx.kvcache import cost
-from localctx.kvcache.calibration import Calibration, FormatCost, now_utc, save
+from localctx.kvcache.calibration import Calibration, FormatCost, load_note, now_utc, save
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.planner import RESIDUAL
 from localctx.kvcache.policy import KVPolicy
@@ -121,16 +120,12 @@ def _fit(spec, hw, probes: list[_Probe], prefill_rates: list[float], name: str, 
         lines.append(f"{probe.fmt} ({policy}): " + ", ".join(f"{1 / s:.1f} tok/s at {n:,}" for n, _, s in points))
     prefill = statistics.median(prefill_rates) if prefill_rates else 0.0
     flops = cost.prefill_flops(spec, 512) / 512 * prefill if prefill else 0.0
-    try:
-        load = f"{os.getloadavg()[0]:.1f}"
-    except (AttributeError, OSError):  # no load average on this platform
-        load = "unknown"
     described = ", ".join(f"{k}={v}" for k, v in settings.items())
     return Calibration(backend=name, hardware_key=hw.key, model=spec.name, weight_bytes=spec.weight_bytes,
                        bandwidth_bytes_s=hw.bandwidth_bytes_s, formats=formats, prefill_tok_s=prefill,
                        prefill_flops_s=flops, threads=int(settings.get("threads", 0)), measured_at=now_utc(),
                        note=f"torch {described}: " + "; ".join(lines)
-                       + f"; 1-minute load average {load} on {os.cpu_count()} CPUs at the end")
+                       + "; " + load_note())
 
 
 def calibrate_and_save(progress=print) -> tuple[Calibration, Path]:
