@@ -2,7 +2,9 @@
 refusals, its calibration, and which backend a kind of hardware runs (DESIGN.md "Backends")."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from localctx.backends import registry
 from localctx.backends.base import Backend, Capabilities
@@ -58,6 +60,21 @@ def calibration_name(name: str, hw: HardwareProfile) -> str:
 
 def speed_model(name: str, hw: HardwareProfile) -> SpeedModel:
     return SpeedModel(hw, calibration.load(calibration_name(name, hw), hw.key))
+
+
+# the module that measures each backend's calibration: ``calibrate_and_save(progress)`` → (Calibration, path)
+CALIBRATORS = {"llamacpp": "localctx.backends.llamacpp_calibrate", "torch": "localctx.backends.torch.calibrate"}
+
+
+def calibrate_and_save(backend: str, progress=print) -> tuple[calibration.Calibration, Path]:
+    """Measure ``backend`` on this machine (with its current settings) and store the calibration."""
+    module = CALIBRATORS.get(backend)
+    if module is None:
+        raise UserError(f"--calibrate measures the {' or '.join(CALIBRATORS)} backend, not {backend}; "
+                        f"add --backend {' or --backend '.join(CALIBRATORS)}")
+    registry.get(backend)  # a one-line error when its packages are missing
+    progress(f"calibrating {backend} decode cost per KV format (interleaved timing; a minute or two)...")
+    return importlib.import_module(module).calibrate_and_save(progress=progress)
 
 
 def planning_context(backend: str, spec: ModelSpec, hardware: str | None = None,

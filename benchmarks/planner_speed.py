@@ -21,7 +21,7 @@ from localctx.app.session_options import SessionRequest, resolve_model
 from localctx.app.bench.prompt import fit_text
 from localctx.backends import registry
 from localctx.backends.base import GenerationParams
-from localctx.backends.planning import planning_context
+from localctx.backends.planning import calibrate_and_save, planning_context
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 
@@ -80,12 +80,7 @@ def main() -> int:
     if args.report:
         return report(json.loads(Path(args.report).read_text()))
     if args.calibrate:
-        if args.backend == "torch":
-            from localctx.backends.torch.calibrate import calibrate_and_save
-        else:
-            from localctx.backends.llamacpp_calibrate import calibrate_and_save
-
-        _, path = calibrate_and_save(progress=lambda s: print(s, file=sys.stderr))
+        _, path = calibrate_and_save(args.backend, progress=lambda s: print(s, file=sys.stderr))
         print(f"calibration written to {path}", file=sys.stderr)
     data = measure(args)
     if args.save:

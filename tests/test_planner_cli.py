@@ -58,6 +58,8 @@ def test_plan_bad_input_is_one_line(cli):
     assert r.code == 2 and "llama-3-8b" in r.err  # lists the known shapes
     r = cli("plan", "-m", "llama-3-8b", "--hardware", "rtx4090", "--max-memory", "lots")
     assert r.code == 2 and "6GB" in r.err
+    r = cli("plan", "--calibrate", "--backend", "fake")  # nothing to calibrate: said before anything is timed
+    assert r.code == 2 and r.err.count("\n") == 1 and "--backend llamacpp or --backend torch" in r.err
 
 
 def test_list_hardware(cli):

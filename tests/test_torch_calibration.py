@@ -56,6 +56,8 @@ def test_calibrate_times_each_format_at_each_context_with_the_cost_models_bytes(
         assert fc.settings["policy"] == str(POLICIES[fmt]) and fc.settings["dtype"] == "float32"
     assert cal.prefill_tok_s > 0 and cal.weight_bytes == spec.weight_bytes
     assert any("64 tokens" in line for line in lines)
+    close = calibrate(model=tiny_ref, contexts=(16, 18), rounds=1, steps=2, progress=lines.append)
+    assert [p[0] for p in close.formats["fp16"].points] == [16, 18]  # 18 reached by the steps timed at 16
 
 
 def _saved(name: str, hw_key: str, base: float) -> Calibration:

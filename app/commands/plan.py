@@ -9,7 +9,7 @@ import sys
 
 from localctx.app.session_options import SessionRequest, add_session_options, make_plan, resolve_model
 from localctx.backends.hardware import profile_names, resolve_hardware
-from localctx.backends.planning import choose_backend, planning_context
+from localctx.backends.planning import calibrate_and_save, choose_backend, planning_context
 from localctx.kvcache import known_models
 from localctx.kvcache.cost import format_bytes, full_bytes_per_token
 from localctx.kvcache.errors import UserError
@@ -78,19 +78,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     if args.hardware:
         raise UserError("--calibrate measures this machine; drop --hardware")
     backend = choose_backend(args.backend, resolve_hardware(None))
-    if backend == "torch":
-        from localctx.backends.registry import get
-        from localctx.backends.torch.calibrate import calibrate_and_save
-
-        get("torch")  # a one-line error when torch is missing
-    elif backend == "llamacpp":
-        from localctx.backends.llamacpp_calibrate import calibrate_and_save
-    else:
-        raise UserError(f"--calibrate measures the llamacpp or torch backend, not {backend}; "
-                        "add --backend llamacpp or --backend torch")
-    print(f"calibrating {backend} decode cost per KV format (interleaved timing; a minute or two)...",
-          file=sys.stderr)
-    cal, path = calibrate_and_save(progress=lambda line: print(line, file=sys.stderr))
+    cal, path = calibrate_and_save(backend, progress=lambda line: print(line, file=sys.stderr))
     print(f"calibration saved to {path}: {cal.note}", file=sys.stderr)
 
 

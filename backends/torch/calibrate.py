@@ -93,10 +93,12 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXT
     with torch.inference_mode():
         for n in sorted(contexts):
             for probe in probes:
+                if probe.length >= n:  # the steps timed at the previous length already reached n
+                    continue
                 before = probe.length
-                seconds = probe.fill(ids, max(n, probe.length))
-                if probe.fmt == "fp16" and probe.length > before:
-                    prefill_rates.append((probe.length - before) / seconds)
+                seconds = probe.fill(ids, n)
+                if probe.fmt == "fp16":
+                    prefill_rates.append((n - before) / seconds)
             progress(f"  filled {len(probes)} torch caches to {n:,} tokens")
             for _ in range(rounds):
                 for probe in probes:
