@@ -1,5 +1,5 @@
-"""``localctx plan --calibrate`` for llama.cpp: time decode steps at two context lengths for each KV
-format llama.cpp would use, interleaved round by round so that a busy machine slows every format
+"""``localctx plan --calibrate`` for llama.cpp: time decode steps at several context lengths for each
+KV format llama.cpp would use, interleaved round by round so that a busy machine slows every format
 alike, and store the fitted per-format cost (kvcache.calibration) in the user cache directory.
 
 One timed step = evaluate one token at position n, then drop it again (seq_rm), so every sample
@@ -19,6 +19,8 @@ from localctx.kvcache.calibration import Calibration, FormatCost, load_note, now
 from localctx.kvcache.policy import KVPolicy
 
 # the settings timed per format; the faster fp16 variant wins (flash attention helps on some CPUs only)
+# the step is flat for the first few hundred tokens and then grows linearly: time both stretches
+CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 VARIANTS = (("fp16", "f16", False), ("fp16", "f16", True), ("int8", "q8_0", True), ("int4", "q4_0", True))
 
 
@@ -64,8 +66,8 @@ def _open(path: Path, type_name: str, flash_attn: bool, n_ctx: int, threads: int
                      flash_attn=flash_attn, verbose=False)
 
 
-def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = (256, 4096), rounds: int = 5,
-              steps: int = 4, threads: int | None = None, progress=print) -> Calibration:
+def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXTS, rounds: int = 5, steps: int = 4,
+              threads: int | None = None, progress=print) -> Calibration:
     """Measure, fit and return a llama.cpp calibration for this machine (not yet saved).
 
     One context per variant is filled to each length in turn; at each length every variant is

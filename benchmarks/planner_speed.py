@@ -3,10 +3,10 @@
 The planner's projection (the backend's calibration for this CPU class, from the user cache or the
 committed default in assets/; for torch, the one measured with the current LOCALCTX_TORCH_* settings)
 is compared with `session.generate` on the bundled SmolLM2 at 256, 2K and 8K prompt tokens, greedy,
-fp16 KV. Rounds are interleaved (each round visits every context length, ascending, reusing the
+fp16 KV unless --kv names another policy. Rounds are interleaved (each round visits every context length, ascending, reusing the
 cached prefix), and medians are reported.
 
-    PYTHONPATH=.dev python benchmarks/planner_speed.py --rounds 3 [--backend torch] [--calibrate] [--save m.json]
+    PYTHONPATH=.dev python benchmarks/planner_speed.py --rounds 3 [--backend torch] [--kv POLICY] [--calibrate] [--save m.json]
     PYTHONPATH=.dev python benchmarks/planner_speed.py --report m.json   # project again, e.g. after calibrating
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def measure(args) -> dict:
     contexts = [int(c) for c in args.contexts.split(",")]
     req = SessionRequest(model=None, backend=args.backend, context=max(contexts) + args.gen + 64)
     ref, spec = resolve_model(req)
-    plan = Plan.fixed(args.backend, spec, KVPolicy(), req.context)  # fp16: the format the planner picks here
+    plan = Plan.fixed(args.backend, spec, KVPolicy.parse(args.kv), req.context)
     session = registry.get(args.backend).load(ref, plan)
     prompts = {n: fit_text(session.count_tokens, n) for n in contexts}
     measured: dict[int, list[float]] = {n: [] for n in contexts}
@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--backend", default="llamacpp", choices=("llamacpp", "torch"))
     ap.add_argument("--contexts", default="256,2048,8000")
     ap.add_argument("--gen", type=int, default=48, help="tokens generated per measurement")
+    ap.add_argument("--kv", default="fp16", help="KV policy (default fp16: the format the planner picks here)")
     ap.add_argument("--calibrate", action="store_true", help="re-measure the calibration first")
     ap.add_argument("--save", default=None, help="write the measurements to this JSON file")
     ap.add_argument("--report", default=None, help="only report measurements saved earlier with --save")

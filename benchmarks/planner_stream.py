@@ -9,6 +9,7 @@ them alike; medians are reported.
 
     PYTHONPATH=.dev python benchmarks/planner_stream.py --rounds 2
     PYTHONPATH=.dev python benchmarks/planner_stream.py --decode-stream 16384   # one long generation
+    PYTHONPATH=.dev python benchmarks/planner_stream.py --decode-stream 16384 --target-only
 """
 from __future__ import annotations
 
@@ -101,11 +102,13 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--min-tok-s", type=float, default=100.0)
     ap.add_argument("--decode-stream", type=int, default=0, help="generate this many tokens instead")
-    ap.add_argument("--no-target", action="store_true", help="only the plan without a speed target")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--no-target", action="store_true", help="only the plan without a speed target")
+    which.add_argument("--target-only", action="store_true", help="only the plan with the speed target")
     args = ap.parse_args()
     sessions = {}
-    targets = [("auto plan", None)] + ([] if args.no_target else [(f"auto plan, --min-tok-s {args.min_tok_s:g}",
-                                                                   args.min_tok_s)])
+    targets = ([] if args.target_only else [("auto plan", None)]) + \
+        ([] if args.no_target else [(f"auto plan, --min-tok-s {args.min_tok_s:g}", args.min_tok_s)])
     for label, target in targets:
         req = SessionRequest(model=None, backend="llamacpp", context=16384, min_tok_s=target)
         ref, spec = resolve_model(req)

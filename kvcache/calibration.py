@@ -1,11 +1,12 @@
 """Calibrations: a backend's measured decode cost on one class of machine, per KV format.
 
-A decode step of a model with a KV format on a machine costs
+A decode step of a model with a KV format on a machine costs about
 
     step_s(n) = base_s + s_per_kv_byte × kv_bytes(n)
 
 where ``kv_bytes(n)`` is what attention reads after n tokens (the cost model's figure for that
-format). Two timed context lengths per format give both numbers. The per-byte cost differs by
+format). Two timed context lengths per format give both numbers; with more, ``step_s`` follows
+the measured points themselves and uses the line only past the longest. The per-byte cost differs by
 format because dequantisation is work: on this project's 2-core CPU llama.cpp reads q4 KV
 several times slower per byte than f16, so fewer bytes is not faster there.
 
@@ -16,8 +17,11 @@ the user cache directory, then among the defaults committed in ``assets/calibrat
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -25,7 +29,10 @@ from pathlib import Path
 
 from localctx.kvcache.hardware import cache_dir
 
-FORMATS = ("fp16", "int8", "int4")
+# a format's cost in the backend's default cache; "fp16-windowed": fp16 in the cache a windowed
+# policy uses, where a backend's differs (torch keeps windowed keys before RoPE and rotates them per step)
+FORMATS = ("fp16", "int8", "int4", "fp16-windowed")
+WINDOWED = "-windowed"
 
 
 def format_of(bits: int) -> str:
@@ -54,7 +61,30 @@ class FormatCost:
                    points=tuple((int(c), int(b), float(s)) for c, b, s in points), settings=dict(settings or {}))
 
     def step_s(self, kv_bytes: int) -> float:
-        return self.base_s + self.s_per_kv_byte * kv_bytes
+        """Seconds per step reading ``kv_bytes`` of KV. Through the measured points (their running
+        maximum, so noise never makes more KV cheaper); flat below the smallest (a CPU's step is
+        flat over the first few hundred tokens, which a straight line would overcharge); past the
+        largest, on along the steeper of the last stretch and the fitted line. Without two
+        measured points: the fitted line."""
+        xs, ys = self._envelope()
+        if len(xs) < 2:
+            return self.base_s + self.s_per_kv_byte * kv_bytes
+        if kv_bytes <= xs[0]:
+            return ys[0]
+        if kv_bytes >= xs[-1]:  # the steeper of the last stretch and the fitted line: long contexts cost most
+            last = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + max(last, self.s_per_kv_byte) * (kv_bytes - xs[-1])
+        i = bisect.bisect_right(xs, kv_bytes)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (kv_bytes - x0) / (x1 - x0)
+
+    def _envelope(self) -> tuple[list[float], list[float]]:
+        by_bytes: dict[float, list[float]] = {}
+        for _, b, s in self.points:
+            by_bytes.setdefault(float(b), []).append(float(s))
+        xs = sorted(by_bytes)
+        ys = list(itertools.accumulate((statistics.median(by_bytes[x]) for x in xs), max))
+        return xs, ys
 
     def to_dict(self) -> dict:
         return {"base_s": self.base_s, "s_per_kv_byte": self.s_per_kv_byte,
@@ -83,6 +113,11 @@ class Calibration:
 
     def cost(self, fmt: str) -> FormatCost | None:
         return self.formats.get(fmt)
+
+    def cost_for(self, bits: int, windowed: bool) -> FormatCost | None:
+        """The cost of a policy's format; a windowed policy's own cache cost where one was measured."""
+        fmt = format_of(bits)
+        return (self.formats.get(fmt + WINDOWED) if windowed else None) or self.formats.get(fmt)
 
     def slowdown_vs_fp16(self, fmt: str, kv_tokens: int, bytes_per_token: dict[str, int]) -> float | None:
         """How much slower attention over ``kv_tokens`` tokens is in ``fmt`` than in fp16 (per step)."""

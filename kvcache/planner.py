@@ -267,15 +267,33 @@ def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
     tok_s = s.speed.worst_decode_tok_s(spec, policy, ctx)
     reasons.append(f"decode ≈ {tok_s:.0f} tok/s at {ctx:,} tokens ({s.speed.basis(policy)})")
     if s.req.min_tok_s:
-        cost_of = [r for r in s.rejected if "--min-tok-s" in r.reason]
-        reasons.append(f"speed target {s.req.min_tok_s:g} tok/s met"
-                       + (f"; it cost: {', '.join(r.policy for r in cost_of)} rejected as too slow"
-                          if cost_of else " with no compromise"))
+        reasons.append(f"speed target {s.req.min_tok_s:g} tok/s met" + _target_cost(s, policy))
     kv = cost.max_kv_bytes(spec, policy, ctx)
     reasons.append(f"KV {format_bytes(kv)} peak of the {format_bytes(max(s.budget.kv, 0))} budget")
     return Plan(backend=s.backend.name, policy=policy, context=ctx, kv_bytes=kv, weight_bytes=spec.weight_bytes,
                 decode_tok_s=tok_s, prefill_tok_s=s.speed.prefill_tok_s(spec, min(ctx, 4096)),
                 hardware=s.hw.name, reasons=reasons, rejected=s.rejected)
+
+
+def _target_cost(s: _Search, policy: KVPolicy) -> str:
+    """What --min-tok-s changed: the plan without it, and the window or exactness given up."""
+    try:
+        free = plan(s.hw, s.spec, replace(s.req, min_tok_s=None), s.backend, s.speed)
+    except NoPlanFits:
+        return " (without the target no plan fits either)"
+    if free.policy == policy:
+        return " with no compromise (the plan without it is the same)"
+    given_up = []
+    if free.policy.exact and not policy.exact:
+        given_up.append("exactness")
+    if free.policy.bits > policy.bits:
+        given_up.append(f"precision ({free.policy.bits}-bit → {policy.bits}-bit KV)")
+    kept_before, kept_now = free.policy.capacity(), policy.capacity()
+    if kept_now is not None and (kept_before is None or kept_now < kept_before):
+        before = "the whole context" if kept_before is None else f"{kept_before:,}"
+        given_up.append(f"the cache keeps {kept_now:,} tokens instead of {before}")
+    return (f"; it cost {', '.join(given_up) or 'a different policy'}: without the target the plan is "
+            f"{free.policy} at ≈ {free.decode_tok_s:.0f} tok/s")
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ class PolicyKVCache:
             return False
         return eviction.held_counts(self.policy, n_tokens).quant_groups == layer.n_groups
 
+    @torch.inference_mode()  # the stores were written under inference mode: cut them back under it too
     def truncate(self, seq_id: int, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` tokens (see ``can_truncate``)."""
         seq = self._seq(seq_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localctx.kvcache import cost
-from localctx.kvcache.calibration import Calibration, format_of
+from localctx.kvcache.calibration import Calibration
 from localctx.kvcache.hardware import HardwareProfile
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
@@ -22,7 +22,10 @@ class SpeedModel:
     calibration: Calibration | None = None
 
     def calibrated(self, policy: KVPolicy) -> bool:
-        return self.calibration is not None and self.calibration.cost(format_of(policy.bits)) is not None
+        return self._cost(policy) is not None
+
+    def _cost(self, policy: KVPolicy):
+        return self.calibration.cost_for(policy.bits, policy.evicts) if self.calibration is not None else None
 
     def basis(self, policy: KVPolicy) -> str:
         if self.calibrated(policy):
@@ -35,11 +38,12 @@ class SpeedModel:
         kv = cost.kv_bytes(spec, policy, kv_tokens)
         if self.calibrated(policy):
             cal = self.calibration
-            fc = cal.cost(format_of(policy.bits))
-            fixed = fc.base_s
+            fc = self._cost(policy)
+            step = fc.step_s(kv)
             if spec.weight_bytes != cal.weight_bytes:  # another model: move by its extra weight reads
                 fixed = max(fc.base_s + (spec.weight_bytes - cal.weight_bytes) / bw, spec.weight_bytes / bw / 4)
-            return fixed + fc.s_per_kv_byte * kv
+                step += fixed - fc.base_s
+            return step
         fp16_equivalent = cost.full_bytes_per_token(spec) * policy.kept_tokens(kv_tokens)
         return (spec.weight_bytes + max(kv, fp16_equivalent)) / bw
 

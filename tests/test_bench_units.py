@@ -107,6 +107,21 @@ def test_headline_and_goals_from_measured_points():
     assert pairs[("int8+sink4+win1024", "fp16+sink4+win1024")] == pytest.approx(1.2)
 
 
+def test_window_goal_also_says_how_the_cost_moves_once_the_window_is_full():
+    entries = [
+        _entry("llamacpp", "fp16+sink4+win1024", {256: 100.0, 1024: 80.0, 2048: 76.0, 8192: 72.0}),
+        _entry("llamacpp", "fp16+sink4+win252", {256: 100.0, 1024: 99.0, 8192: 95.0}),
+    ]
+    head = headline(entries, [256, 1024, 2048, 8192], trained=8192)
+    assert goals.once_full(entries[0], 8192) == (2048, pytest.approx(72.0 / 76.0))  # 1,028 tokens fill by 2k
+    assert goals.once_full(entries[1], 8192) == (256, pytest.approx(0.95))
+    verdict = goals.window_goal(entries, head)
+    assert verdict["status"] == "fails"  # 0.72 from 256 tokens, whatever happens once full
+    assert "llamacpp/fp16+sink4+win1024 0.72 (the window fills by 2k; 8k ÷ 2k = 0.95)" in verdict["detail"]
+    assert verdict["detail"].endswith("llamacpp/fp16+sink4+win252 0.95")  # full at 256: nothing to add
+    assert verdict["detail"].count("the window fills") == 1
+
+
 def test_planner_goal_flags_a_quantized_pick_that_measured_slower():
     comparisons = [{"backend": "llamacpp", "policy": "int4", "ratio": 0.4}]
     picks = [{"backend": "llamacpp", "context": 8192, "policy": "int4", "fp16_fits": True}]

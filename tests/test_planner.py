@@ -85,8 +85,23 @@ def test_calibrated_quantized_kv_that_decodes_slower_loses_to_a_window_under_a_s
     assert speed.worst_decode_tok_s(SMOL, p.policy, 10**6) >= target
     too_slow = {r.policy for r in p.rejected if "--min-tok-s" in r.reason}
     assert {"fp16", "int8", "int4"} <= too_slow
-    assert any("speed target 100 tok/s met; it cost" in r for r in p.reasons)
+    cost_line = next(r for r in p.reasons if r.startswith("speed target 100 tok/s met"))
+    assert (f"it cost exactness, the cache keeps {p.policy.capacity():,} tokens instead of the whole context: "
+            "without the target the plan is fp16 at ≈") in cost_line
     assert any("bound by --min-tok-s 100" in r for r in p.reasons)
+
+
+def test_past_the_trained_context_the_speed_target_costs_window_size_and_says_so():
+    speed = SpeedModel(CPU, synthetic_calibration())
+    free = plan(CPU, SMOL, PlanRequest(context=16384), EVERYTHING, speed)
+    fast = plan(CPU, SMOL, PlanRequest(context=16384, min_tok_s=100), EVERYTHING, speed)
+    assert free.policy.evicts and fast.policy.evicts and fast.policy.capacity() < free.policy.capacity()
+    cost_line = next(r for r in fast.reasons if r.startswith("speed target 100 tok/s met"))
+    assert (f"it cost the cache keeps {fast.policy.capacity():,} tokens instead of {free.policy.capacity():,}: "
+            f"without the target the plan is {free.policy} at ≈") in cost_line
+    slow_enough = plan(CPU, SMOL, PlanRequest(context=16384, min_tok_s=1), EVERYTHING, speed)
+    assert slow_enough.policy == free.policy
+    assert any("met with no compromise (the plan without it is the same)" in r for r in slow_enough.reasons)
 
 
 def test_without_a_calibration_quantized_kv_is_not_assumed_faster():

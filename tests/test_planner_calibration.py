@@ -19,7 +19,24 @@ def test_fit_recovers_base_and_cost_per_byte():
     points = [(n, b, base + per_byte * b) for n, b in ((256, 5_898_240), (4096, 94_371_840))]
     fc = FormatCost.fit(points, settings={"flash_attn": False})
     assert fc.base_s == pytest.approx(base) and fc.s_per_kv_byte == pytest.approx(per_byte)
-    assert fc.step_s(0) == pytest.approx(base)
+    assert fc.step_s(5_898_240) == pytest.approx(base + per_byte * 5_898_240)
+    assert fc.step_s(10_000_000_000) == pytest.approx(base + per_byte * 10_000_000_000)  # on along the line
+
+
+def test_step_follows_the_measured_points_flat_below_and_never_cheaper_with_more_kv():
+    # a CPU's step: flat over the first few hundred tokens, then linear; one noisy dip at 512
+    points = [(128, 1_000, 0.0100), (256, 2_000, 0.0101), (512, 4_000, 0.0098), (1024, 8_000, 0.0130),
+              (4096, 32_000, 0.0300)]
+    fc = FormatCost.fit(points)
+    assert fc.step_s(0) == fc.step_s(1_000) == pytest.approx(0.0100)  # the line would say less
+    assert fc.step_s(1_500) == pytest.approx(0.01005)  # interpolated
+    assert fc.step_s(4_000) == pytest.approx(0.0101)  # the dip is noise: never cheaper than less KV
+    assert fc.step_s(6_000) == pytest.approx((0.0101 + 0.0130) / 2)
+    last = (0.0300 - 0.0130) / 24_000  # past the longest point: the last stretch's slope (steeper than the fit)
+    assert last > fc.s_per_kv_byte
+    assert fc.step_s(64_000) == pytest.approx(0.0300 + last * 32_000)
+    xs = range(0, 70_000, 500)
+    assert all(fc.step_s(a) <= fc.step_s(b) for a, b in zip(xs, xs[1:]))
 
 
 def test_fit_needs_two_context_lengths_and_never_makes_long_contexts_faster():
@@ -100,3 +117,23 @@ def test_calibration_json_rejects_unknown_formats():
     data["formats"]["fp8"] = data["formats"]["fp16"]
     with pytest.raises(ValueError, match="fp8"):
         Calibration.from_dict(json.loads(json.dumps(data)))
+
+
+def test_a_windowed_policy_uses_its_own_cache_cost_where_one_was_measured():
+    plain, windowed = FormatCost(0.01, 1e-10), FormatCost(0.01, 5e-10)
+    base = dict(backend="torch-x", hardware_key="k", model="m", weight_bytes=SMOL.weight_bytes, bandwidth_bytes_s=5e9)
+    both = SpeedModel(CPU, Calibration(formats={"fp16": plain, "fp16-windowed": windowed}, **base))
+    only_fp16 = SpeedModel(CPU, Calibration(formats={"fp16": plain}, **base))
+    window = KVPolicy.parse("fp16+sink4+win1024")
+    kv = cost.kv_bytes(SMOL, window, 4096)
+    assert both.step_seconds(SMOL, window, 4096) == pytest.approx(0.01 + 5e-10 * kv)
+    assert both.step_seconds(SMOL, KVPolicy(), 1028) == pytest.approx(0.01 + 1e-10 * kv)  # unbounded: the plain cost
+    assert only_fp16.step_seconds(SMOL, window, 4096) == pytest.approx(0.01 + 1e-10 * kv)  # none measured: fp16's
+    assert both.calibrated(KVPolicy.parse("int8+sink4+win1024")) is False  # no int8 cost at all
+
+
+def test_a_calibration_file_with_an_unknown_format_is_refused():
+    d = _cal("k", 0.01).to_dict()
+    d["formats"]["fp8"] = d["formats"]["fp16"]
+    with pytest.raises(ValueError, match="unknown KV formats"):
+        Calibration.from_dict(d)

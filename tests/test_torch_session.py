@@ -38,7 +38,18 @@ def tokens_of(events) -> list[int]:
     return [e.token for e in events if e.kind == "token"]
 
 
-def test_second_turn_reuses_the_cached_prefix_and_matches_a_fresh_session(session, tiny_gguf):
+@pytest.fixture(scope="module")
+def tiny_gguf_head32(tmp_path_factory):  # quantized KV needs whole groups of 32 channels
+    cfg = TinyConfig(hidden=64, n_heads=2, n_kv_heads=1, head_dim=32)
+    return write_gguf(tmp_path_factory.mktemp("tiny32") / "tiny.gguf", cfg, tiny_weights(cfg, seed=11))
+
+
+@pytest.mark.parametrize("policy", ["fp16", "fp16+sink4+win160", "int8+res32"])
+def test_second_turn_reuses_the_cached_prefix_and_matches_a_fresh_session(tiny_gguf, tiny_gguf_head32, policy):
+    # the policy cache (windowed, quantized) is cut back outside the engine's inference mode here
+    tiny_gguf = tiny_gguf_head32 if policy.startswith("int") else tiny_gguf
+    loaded = load_model(ModelRef("gguf", tiny_gguf, "tiny", "file"), OPTIONS)
+    session = build_session(loaded, Plan.fixed("torch", loaded.spec, KVPolicy.parse(policy), 200), OPTIONS)
     params = GenerationParams(max_tokens=8)
     turn1 = [{"role": "user", "content": "the tent in the sea"}]
     events = list(session.generate(turn1, params))

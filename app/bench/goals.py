@@ -11,6 +11,20 @@ def _ratio_text(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
+def once_full(entry: dict, long_context: int) -> tuple[int, float] | None:
+    """(context, decode(long) ÷ decode there) from the first measured context at which the window
+    is full: how the cost moves once the cache stops growing. None if no such shorter context."""
+    cap = KVPolicy.parse(entry["policy"]).capacity()
+    long_tok_s = decode_at(entry, long_context)
+    if cap is None or not long_tok_s:
+        return None
+    full = sorted(p["context"] for p in entry["points"]
+                  if p["status"] == "ok" and cap <= p["context"] < long_context)
+    if not full or not decode_at(entry, full[0]):
+        return None
+    return full[0], long_tok_s / decode_at(entry, full[0])
+
+
 def window_goal(entries: list[dict], head: dict | None) -> dict:
     goal = f"policies with a window hold decode(long)/decode(short) ≥ {WINDOW_GOAL}"
     ratios = {r["series"]: r["ratio"] for r in (head or {}).get("rows", [])}
@@ -20,8 +34,15 @@ def window_goal(entries: list[dict], head: dict | None) -> dict:
         return {"goal": goal, "status": "not measured",
                 "detail": "no windowed policy ran to both headline contexts on a backend of this build"}
     bad = {k: v for k, v in measured.items() if v < WINDOW_GOAL}
-    detail = ", ".join(f"{k} {_ratio_text(v)}" for k, v in measured.items())
-    return {"goal": goal, "status": "fails" if bad else "holds", "detail": detail}
+    parts = []
+    for e in (e for e in windowed if e["key"] in measured):
+        text = f"{e['key']} {_ratio_text(measured[e['key']])}"
+        full = once_full(e, head["long"])
+        if full and full[0] > head["short"]:  # the short context held fewer tokens than the window
+            text += (f" (the window fills by {context_label(full[0])}; {context_label(head['long'])} ÷ "
+                     f"{context_label(full[0])} = {_ratio_text(full[1])})")
+        parts.append(text)
+    return {"goal": goal, "status": "fails" if bad else "holds", "detail": ", ".join(parts)}
 
 
 def quant_vs_fp16(entries: list[dict], context: int) -> list[dict]:

@@ -1,6 +1,7 @@
 """``localctx plan --calibrate --backend torch``: time the torch backend's decode steps at three
-context lengths for each KV format, with the settings it runs with now (device, dtype, weight
-format, threads), and store the fitted per-format cost (kvcache.calibration) in the user cache.
+context lengths for each KV format (and for fp16 in the windowed policies' cache), with the
+settings it runs with now (device, dtype, weight format, threads), and store the fitted
+per-format cost (kvcache.calibration) in the user cache.
 
 The torch backend's speed depends on those settings far more than on the bandwidth roofline: on a
 CPU, bf16 activations with int8 weights read 129 MiB per step where the GGUF's Q4_1 is 92 MiB,
@@ -32,8 +33,13 @@ from localctx.kvcache.planner import RESIDUAL
 from localctx.kvcache.policy import KVPolicy
 
 CONTEXTS = (256, 2048, 8192)
-# the policy timed for each format: what the planner proposes for it
-POLICIES = {"fp16": KVPolicy(bits=16), "int8": KVPolicy(bits=8), "int4": KVPolicy(bits=4, residual=RESIDUAL)}
+ROUNDS, STEPS = 4, 4
+ROOM = max(CONTEXTS) + ROUNDS * STEPS * len(CONTEXTS) + 1  # the longest cache: filled, then the timed steps
+# the policy timed for each format: what the planner proposes for it. A windowed fp16 policy runs in
+# the policy cache (keys kept before RoPE, rotated at every step), not the paged one: it is timed
+# with a window wider than anything it holds here, so it never evicts and holds what the others hold.
+POLICIES = {"fp16": KVPolicy(bits=16), "int8": KVPolicy(bits=8), "int4": KVPolicy(bits=4, residual=RESIDUAL),
+            "fp16-windowed": KVPolicy(bits=16, sinks=4, window=ROOM)}
 SEQ = 0
 
 
@@ -76,8 +82,8 @@ def _text_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXTS, rounds: int = 4,
-              steps: int = 4, progress=print) -> Calibration:
+def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXTS, rounds: int = ROUNDS,
+              steps: int = STEPS, progress=print) -> Calibration:
     """Measure, fit and return a torch calibration for this machine and these settings (not yet saved)."""
     backend = TorchBackend()
     options = backend.options()
@@ -86,6 +92,8 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXT
     hw = detect()
     loaded = load_model(ref, options)
     room = max(contexts) + rounds * steps * len(contexts) + 1
+    if room > ROOM:
+        raise ValueError(f"contexts and steps need {room:,} tokens; the windowed probe holds {ROOM:,}")
     ids = _text_ids(loaded.tokenizer, max(contexts))
     probes = [_Probe(fmt, build_session(loaded, Plan.fixed("torch", spec, policy, room), options))
               for fmt, policy in POLICIES.items()]
