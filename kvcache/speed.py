@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localctx.kvcache import cost
-from localctx.kvcache.calibration import Calibration
+from localctx.kvcache.calibration import Calibration, FormatCost
 from localctx.kvcache.hardware import HardwareProfile
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
@@ -24,7 +24,7 @@ class SpeedModel:
     def calibrated(self, policy: KVPolicy) -> bool:
         return self._cost(policy) is not None
 
-    def _cost(self, policy: KVPolicy):
+    def _cost(self, policy: KVPolicy) -> FormatCost | None:
         return self.calibration.cost_for(policy.bits, policy.evicts) if self.calibration is not None else None
 
     def basis(self, policy: KVPolicy) -> str:
