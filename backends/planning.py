@@ -73,7 +73,7 @@ def calibrate_and_save(backend: str, progress=print) -> tuple[calibration.Calibr
         raise UserError(f"--calibrate measures the {' or '.join(CALIBRATORS)} backend, not {backend}; "
                         f"add --backend {' or --backend '.join(CALIBRATORS)}")
     registry.get(backend)  # a one-line error when its packages are missing
-    progress(f"calibrating {backend} decode cost per KV format (interleaved timing; a minute or two)...")
+    progress(f"calibrating {backend} decode cost per KV format (interleaved timing; about three minutes)...")
     return importlib.import_module(module).calibrate_and_save(progress=progress)
 
 
