@@ -3,8 +3,8 @@
 The planner's projection (the backend's calibration for this CPU class, from the user cache or the
 committed default in assets/; for torch, the one measured with the current LOCALCTX_TORCH_* settings)
 is compared with `session.generate` on the bundled SmolLM2 at 256, 2K and 8K prompt tokens, greedy,
-fp16 KV unless --kv names another policy. Rounds are interleaved (each round visits every context length, ascending, reusing the
-cached prefix), and medians are reported.
+fp16 KV unless --kv names another policy. Rounds are interleaved (each round visits every context
+length, ascending, reusing the cached prefix), and medians are reported.
 
     PYTHONPATH=.dev python benchmarks/planner_speed.py --rounds 3 [--backend torch] [--kv POLICY] [--calibrate] [--save m.json]
     PYTHONPATH=.dev python benchmarks/planner_speed.py --report m.json   # project again, e.g. after calibrating
