@@ -18,6 +18,7 @@ the user cache directory, then among the defaults committed in ``assets/calibrat
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import json
 import os
@@ -66,7 +67,7 @@ class FormatCost:
         flat over the first few hundred tokens, which a straight line would overcharge); past the
         largest, on along the steeper of the last stretch and the fitted line. Without two
         measured points: the fitted line."""
-        xs, ys = self._envelope()
+        xs, ys = self._envelope
         if len(xs) < 2:
             return self.base_s + self.s_per_kv_byte * kv_bytes
         if kv_bytes <= xs[0]:
@@ -78,6 +79,7 @@ class FormatCost:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (kv_bytes - x0) / (x1 - x0)
 
+    @functools.cached_property  # the points never change: derive the envelope once
     def _envelope(self) -> tuple[list[float], list[float]]:
         by_bytes: dict[float, list[float]] = {}
         for _, b, s in self.points:

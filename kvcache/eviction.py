@@ -16,7 +16,8 @@ The rules, for a stream of ``n`` tokens (index 0 = the first token) and a policy
    other, and the sinks (rule 1) are what keeps the first tokens, in full precision.
    Quantization applies only when a group can age out of the residual before it leaves the
    window (W ≥ R + g, or no window); otherwise every kept token stays in full precision —
-   nothing is ever quantized and then immediately thrown away. ``quantizes(policy)`` says which case holds.
+   nothing is ever quantized and then immediately thrown away. ``quantizes(policy)`` says which
+   case holds.
 3. **Window.** A unit (a full-precision token, or a whole quantized group) leaves the window
    when its newest token is older than the last W main tokens: newest main index < m − W.
    A quantized group is evicted whole, never split (splitting would mean re-quantizing its

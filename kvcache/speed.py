@@ -36,9 +36,9 @@ class SpeedModel:
         """Seconds per decode step with ``kv_tokens`` tokens having streamed through the cache."""
         bw = self.hardware.bandwidth_bytes_s
         kv = cost.kv_bytes(spec, policy, kv_tokens)
-        if self.calibrated(policy):
+        fc = self._cost(policy)
+        if fc is not None:
             cal = self.calibration
-            fc = self._cost(policy)
             step = fc.step_s(kv)
             if spec.weight_bytes != cal.weight_bytes:  # another model: move by its extra weight reads
                 fixed = max(fc.base_s + (spec.weight_bytes - cal.weight_bytes) / bw, spec.weight_bytes / bw / 4)

@@ -34,7 +34,14 @@ from localctx.kvcache.policy import KVPolicy
 
 CONTEXTS = (256, 2048, 8192)
 ROUNDS, STEPS = 4, 4
-ROOM = max(CONTEXTS) + ROUNDS * STEPS * len(CONTEXTS) + 1  # the longest cache: filled, then the timed steps
+
+
+def _room(contexts: tuple[int, ...], rounds: int, steps: int) -> int:
+    """Tokens the longest cache reaches: filled to the longest context, then every timed step."""
+    return max(contexts) + rounds * steps * len(contexts) + 1
+
+
+ROOM = _room(CONTEXTS, ROUNDS, STEPS)
 # the policy timed for each format: what the planner proposes for it. A windowed fp16 policy runs in
 # the policy cache (keys kept before RoPE, rotated at every step), not the paged one: it is timed
 # with a window wider than anything it holds here, so it never evicts and holds what the others hold.
@@ -91,7 +98,7 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXT
     spec = read_spec(ref)  # the planner's view of the model (its file's weight bytes), as projections use
     hw = detect()
     loaded = load_model(ref, options)
-    room = max(contexts) + rounds * steps * len(contexts) + 1
+    room = _room(contexts, rounds, steps)
     if room > ROOM:
         raise ValueError(f"contexts and steps need {room:,} tokens; the windowed probe holds {ROOM:,}")
     ids = _text_ids(loaded.tokenizer, max(contexts))
