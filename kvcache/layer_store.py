@@ -98,47 +98,42 @@ class LayerStore:
         if not self.n_groups:
             return torch.arange(full_idx.numel(), device=full_idx.device), None  # already in stream order
         q_idx = self.q_idx.view
-        every = torch.cat([q_idx.reshape(-1), full_idx])
-        rank = torch.empty_like(every)
-        rank[torch.argsort(every)] = torch.arange(every.numel(), device=every.device)
-        return rank[q_idx.numel():], rank[:q_idx.numel()].reshape(q_idx.shape)
+        q_flat = q_idx.reshape(-1)
+        # both lists are in stream order, so a token's rank is its index in its own list plus the
+        # number of tokens of the other list before it (a merge, not a sort of everything)
+        full_rank = torch.arange(full_idx.numel(), device=full_idx.device) + torch.searchsorted(q_flat, full_idx)
+        q_rank = torch.arange(q_flat.numel(), device=q_flat.device) + torch.searchsorted(full_idx, q_flat)
+        return full_rank, q_rank.reshape(q_idx.shape)
 
-    def attention_inputs(self, new_k: torch.Tensor, new_v: torch.Tensor
-                         ) -> tuple[FullTokens, QuantGroups | None, torch.Tensor]:
-        """The cached tokens plus the step's new ones (new_k/new_v: [T, H, D]); returns the
-        new tokens' positions too."""
+    def attention_inputs(self, n_new: int) -> tuple[FullTokens, QuantGroups | None, torch.Tensor]:
+        """Every held token, the step's ``n_new`` (already appended) last among the full-precision
+        ones, as views of the store; returns the new tokens' positions too."""
         full_pos, q_pos = self.positions()
-        T = new_k.shape[0]
-        start = self.n_tokens
-        new_pos = torch.arange(start, start + T, device=new_k.device)
-        full = FullTokens(torch.cat([self.full_k.view, new_k.to(self.full_k.buf.dtype)]).transpose(0, 1),
-                          torch.cat([self.full_v.view, new_v.to(self.full_v.buf.dtype)]).transpose(0, 1),
-                          torch.cat([full_pos, new_pos]))
+        full = FullTokens(self.full_k.view.transpose(0, 1), self.full_v.view.transpose(0, 1), full_pos)
         groups = None
         if self.n_groups:
             groups = QuantGroups(
                 quant.QuantizedTensor(self.qk_codes.view, self.qk_scale.view, self.qk_min.view, self.policy.bits),
                 quant.QuantizedTensor(self.qv_codes.view, self.qv_scale.view, self.qv_min.view, self.policy.bits),
                 q_pos, self.policy.group_size)
-        return full, groups, new_pos
+        return full, groups, full_pos[-n_new:]
 
-    # -- after attention: append, age, evict ---------------------------------------------
-    def add_mass(self, full_mass: torch.Tensor | None, quant_mass: torch.Tensor | None) -> torch.Tensor | None:
-        """Accumulate the cached tokens' mass; returns the new tokens' share (None when untracked)."""
-        if full_mass is None:
-            return None
-        n_old = self.full_idx.n
-        self.full_mass.view.add_(full_mass[:n_old])
-        if quant_mass is not None:
-            self.q_mass.view.add_(quant_mass)
-        return full_mass[n_old:]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, first_index: int, mass: torch.Tensor | None) -> None:
+    # -- around attention: append the step's tokens, accumulate mass, age, evict ------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor, first_index: int) -> None:
+        """The step's new tokens ([T, H, D], before RoPE), before they attend (with no mass yet)."""
         T = k.shape[0]
         self.full_k.append(k)
         self.full_v.append(v)
         self.full_idx.append(torch.arange(first_index, first_index + T, device=k.device))
-        self.full_mass.append(mass if mass is not None else torch.zeros(T, device=k.device))
+        self.full_mass.append(torch.zeros(T, device=k.device))
+
+    def add_mass(self, full_mass: torch.Tensor | None, quant_mass: torch.Tensor | None) -> None:
+        """Accumulate the attention mass of every held token (None when untracked)."""
+        if full_mass is None:
+            return
+        self.full_mass.view.add_(full_mass)
+        if quant_mass is not None:
+            self.q_mass.view.add_(quant_mass)
 
     def age(self, n_seen: int) -> None:
         """Quantize every whole group past the head that is older than the residual (rule 2)."""

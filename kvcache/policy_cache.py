@@ -8,9 +8,10 @@ same seam as the full-precision ``PagedKVCache``:
 Keys are cached **before RoPE** and rotated at attention time at their positions *in the
 cache* (``kvcache/quant_attention.py``), so evicting a token re-indexes everything after it
 without touching stored (possibly quantized) keys. Which tokens are held, and which are
-quantized, follows ``kvcache/eviction.py``; after each layer's attention the new tokens are
-appended, groups older than the residual are quantized and units outside the window are
-evicted (heavy hitters kept by accumulated attention mass).
+quantized, follows ``kvcache/eviction.py``: each layer's new tokens are appended to its store
+before its attention (which reads the store in place, no copy); after it, groups older than the
+residual are quantized and units outside the window are evicted (heavy hitters kept by
+accumulated attention mass).
 
 ``kv_bytes`` is what the tensors hold (K/V payload plus fp16 group scales and mins) and equals
 ``cost.kv_bytes(spec, policy, n)`` for every sequence of n tokens."""
@@ -174,11 +175,11 @@ class PolicyKVCache:
         for b, seq_id in enumerate(self._step):
             seq = self._seqs[seq_id]
             layer = seq.layers[layer_idx]
-            full, groups, q_pos = layer.attention_inputs(k[b], v[b])
+            layer.append(k[b], v[b], seq.n_seen)  # attention reads the store in place, new tokens included
+            full, groups, q_pos = layer.attention_inputs(T)
             res = self.attention(q[b], q_pos, full, groups, self.rope, want_mass=self.track_mass)
             outs.append(res.out)
-            new_mass = layer.add_mass(res.full_mass, res.quant_mass)
-            layer.append(k[b], v[b], seq.n_seen, new_mass)
+            layer.add_mass(res.full_mass, res.quant_mass)
             seen = seq.n_seen + T
             layer.age(seen)
             layer.evict(seen)

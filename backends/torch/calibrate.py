@@ -5,9 +5,10 @@ per-format cost (kvcache.calibration) in the user cache.
 
 The torch backend's speed depends on those settings far more than on the bandwidth roofline: on a
 CPU, bf16 activations with int8 weights read 129 MiB per step where the GGUF's Q4_1 is 92 MiB,
-and quantized KV goes through the pure-torch reference (dequantize, rotate every key, attend),
-which costs several times what fp16 attention costs per byte. So a calibration is stored per
-setting (``TorchOptions.speed_key``) and used only when the backend runs with those settings.
+and the policy cache's attention (quantized or windowed KV) runs in the C kernel
+(``cpu_kernels/``) where it builds, or in the pure-torch reference, several times slower, where
+it does not. So a calibration is stored per setting (``TorchOptions.speed_key``) and used only
+when the backend runs with those settings.
 
 Every format's cache is filled to each length in turn; at each length the formats are timed in
 interleaved rounds, so load from other processes hits them alike. A sample is one engine decode

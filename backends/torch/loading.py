@@ -16,6 +16,7 @@ import torch
 from localctx.backends.base import Backend, Capabilities
 from localctx.backends.model_spec import hf_spec
 from localctx.backends.modelref import ModelRef
+from localctx.backends.torch.cpu_kernels import policy_attention as cpu_attention
 from localctx.backends.torch.engine import Engine, EngineOptions
 from localctx.backends.torch.gguf_loader import load_gguf, spec_from
 from localctx.backends.torch.hf_loader import load_hf
@@ -67,12 +68,16 @@ class TorchOptions:
         out = {"device": self.device, "dtype": str(self.dtype).replace("torch.", ""), "weights": self.weights}
         if self.device == "cpu":
             out["threads"] = self.threads or torch.get_num_threads()
+            out["kv_kernel"] = "c" if cpu_attention.available() else "torch"
         return out
 
     def speed_key(self) -> str:
         """``speed_settings`` as a file-name part, e.g. ``cpu-bfloat16-int8-2t``."""
         s = self.speed_settings()
-        return "-".join([s["device"], s["dtype"], s["weights"]] + ([f"{s['threads']}t"] if "threads" in s else []))
+        parts = [s["device"], s["dtype"], s["weights"]] + ([f"{s['threads']}t"] if "threads" in s else [])
+        if s.get("kv_kernel") == "torch":  # no C compiler: quantized and windowed KV take the slower reference
+            parts.append("torchkv")
+        return "-".join(parts)
 
     def checked(self) -> "TorchOptions":
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -111,6 +116,13 @@ def load_model(ref: ModelRef, options: TorchOptions) -> LoadedModel:
     return LoadedModel(model, tokenizer, spec)
 
 
+def _policy_attention(device: str):
+    """The C kernel on a CPU where it builds; the Triton kernel or the reference otherwise."""
+    if device == "cpu" and not dispatch.uses_kernels(device) and cpu_attention.available():
+        return cpu_attention.attend
+    return dispatch.policy_attention(device)
+
+
 def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> TorchSession:
     c = loaded.model.config
     policy = plan.policy
@@ -120,7 +132,7 @@ def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> Tor
     req = CacheRequest(c.n_layers, c.n_kv_heads, c.head_dim, capacity_tokens=tokens, dtype=options.dtype,
                        device=options.device, block_size=options.block_size)
     kernels = CacheKernels(paged_attention=dispatch.paged_attention(options.device),
-                           policy_attention=dispatch.policy_attention(options.device),
+                           policy_attention=_policy_attention(options.device),
                            quantize_groups=dispatch.quantize_groups(options.device)
                            if dispatch.uses_kernels(options.device) else None)
     cache = make_kv_cache(policy, req, loaded.model.make_rope(), kernels)  # paged full precision, or the policy cache

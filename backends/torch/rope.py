@@ -71,6 +71,7 @@ class Rope:
         self.dtype = dtype
         self.device = device
         self._last: tuple | None = None
+        self._half: tuple[torch.Tensor, torch.Tensor] | None = None
         self._build(initial)
 
     def _build(self, n: int) -> None:
@@ -80,6 +81,7 @@ class Rope:
         self.cos = angles.cos().to(self.dtype)
         self.sin = angles.sin().to(self.dtype)
         self._last = None
+        self._half = None
 
     def ensure(self, n_positions: int) -> None:
         if n_positions > self.cos.shape[0]:
@@ -97,6 +99,14 @@ class Rope:
         sin = self.sin[positions][..., None, :half].to(dtype)
         self._last = (key[0], dtype, (cos, sin))
         return cos, sin
+
+    def half_tables(self, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin [≥ n_positions, D/2], contiguous: the tables a C kernel reads."""
+        self.ensure(n_positions)
+        if self._half is None:
+            half = self.head_dim // 2
+            self._half = (self.cos[:, :half].float().contiguous(), self.sin[:, :half].float().contiguous())
+        return self._half
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, T, H, D]; positions: [B, T]."""
