@@ -15,15 +15,23 @@ from localctx.kvcache.quant_attention import FullTokens, QuantGroups
 
 
 class Rows:
-    """A tensor that grows along its first axis; ``view`` is the filled part."""
+    """A tensor that grows along its first axis; ``view`` is the filled part, which starts at
+    ``start`` in the buffer.
+
+    A sliding window drops, at each step, the oldest rows after a short head (the sinks):
+    ``keep`` then moves the head forward over them and advances ``start`` instead of moving the
+    whole window down, so a step costs the head's size, not the window's. ``append`` moves the
+    rows back to the front when the buffer's end is reached and there is room (at most once per
+    buffer length of appends), and grows the buffer by doubling otherwise."""
 
     def __init__(self, tail: tuple[int, ...], dtype: torch.dtype, device: str | torch.device):
         self.buf = torch.empty((0, *tail), dtype=dtype, device=device)
         self.n = 0
+        self.start = 0
 
     @property
     def view(self) -> torch.Tensor:
-        return self.buf[:self.n]
+        return self.buf[self.start:self.start + self.n]
 
     @property
     def nbytes(self) -> int:
@@ -31,17 +39,28 @@ class Rows:
 
     def append(self, x: torch.Tensor) -> None:
         need = self.n + x.shape[0]
-        if need > self.buf.shape[0]:
-            grown = torch.empty((max(need, 2 * self.buf.shape[0], 16), *self.buf.shape[1:]),
-                                dtype=self.buf.dtype, device=self.buf.device)
-            grown[:self.n] = self.view
-            self.buf = grown
-        self.buf[self.n:need] = x.to(self.buf.dtype)
+        if self.start + need > self.buf.shape[0]:
+            capacity = self.buf.shape[0] if 2 * need <= self.buf.shape[0] else max(need, 2 * self.buf.shape[0], 16)
+            moved = torch.empty((capacity, *self.buf.shape[1:]), dtype=self.buf.dtype, device=self.buf.device)
+            moved[:self.n] = self.view
+            self.buf, self.start = moved, 0
+        self.buf[self.start + self.n:self.start + need] = x.to(self.buf.dtype)
         self.n = need
 
     def keep(self, mask: torch.Tensor) -> None:
+        dropped = (~mask).nonzero().flatten()
+        k = dropped.numel()
+        if k == 0:
+            return
+        head = int(dropped[0])
+        if int(dropped[-1]) - head + 1 == k and head <= self.n - head - k:  # one run, after a short head
+            s = self.start
+            if head:
+                self.buf[s + k:s + k + head] = self.buf[s:s + head].clone()
+            self.start, self.n = s + k, self.n - k
+            return
         kept = self.view[mask]
-        self.buf[:kept.shape[0]] = kept
+        self.buf[self.start:self.start + kept.shape[0]] = kept
         self.n = kept.shape[0]
 
 
