@@ -12,6 +12,7 @@ from localctx.backends.torch.cpu_kernels import policy_attention as cpu
 from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.backends.torch.rope import Rope
 from localctx.kvcache import quant
+from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quant_attention import FullTokens, QuantGroups, attend_reference
@@ -118,8 +119,17 @@ def test_switched_off_or_unbuildable_kernels_fall_back_to_the_reference(monkeypa
     build.load.cache_clear()
     assert cpu.library().reason == "no C compiler found (no-such-compiler-here)"
     monkeypatch.setenv(build.ENV, "sometimes")
-    with pytest.raises(ValueError, match="LOCALCTX_CPU_KERNELS='sometimes' is not auto or off"):
-        build.load.cache_clear() or cpu.library()
+    build.load.cache_clear()
+    with pytest.raises(UserError, match="LOCALCTX_CPU_KERNELS='sometimes': choose auto"):
+        cpu.library()
+
+
+def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(blocker))
+    loaded = cpu.library()
+    assert not loaded.ok and "did not build" in loaded.reason
 
 
 @needs_kernel

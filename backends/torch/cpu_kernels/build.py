@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware import cache_dir
 
 ENV = "LOCALCTX_CPU_KERNELS"
@@ -43,7 +44,7 @@ class Loaded:
 def enabled() -> bool:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in ("auto", "off"):
-        raise ValueError(f"{ENV}={value!r} is not auto or off")
+        raise UserError(f"{ENV}={value!r}: choose auto (build and use the C kernels) or off (the torch references)")
     return value == "auto"
 
 
@@ -53,26 +54,29 @@ def _compiler() -> str | None:
 
 def _target(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(flags).encode(), platform.machine().encode(),
-                 platform.node().encode()):
+    for part in (source.read_bytes(), compiler.encode(), " ".join(flags + COMMON).encode(),
+                 platform.machine().encode(), platform.node().encode()):
         digest.update(part)
     return cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
 def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Build ``target``; returns None, or the compiler's complaint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    """Build ``target``; returns None, or the compiler's (or the file system's) complaint."""
+    tmp = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
         done = subprocess.run([compiler, *flags, *COMMON, str(source), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode:
             return (done.stderr.strip().splitlines() or ["failed"])[-1]
         os.replace(tmp, target)
         return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
