@@ -18,12 +18,16 @@ from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quant_attention import FullTokens, QuantGroups, attend_reference
 from torch_tiny_models import TinyConfig, tiny_weights, write_gguf
 
-needs_kernel = pytest.mark.skipif(not cpu.available(), reason=f"no CPU kernel here: {cpu.library().reason}")
+@pytest.fixture
+def kernel():
+    """The compiled kernel (built once per test process, into the test's own cache folder)."""
+    if not cpu.available():
+        pytest.skip(f"no CPU kernel here: {cpu.library().reason}")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fresh_build_state():
-    build.load.cache_clear()  # each test sees the environment it sets
+    build.load.cache_clear()  # this test sees the environment it sets, and the next ones theirs
     yield
     build.load.cache_clear()
 
@@ -63,10 +67,9 @@ SHAPES = [  # Hq, Hkv, D, G, g, bits, N, T, hidden
 ]
 
 
-@needs_kernel
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}-Hkv{}-D{}-G{}x{}-b{}-N{}-T{}-h{}".format(*s))
 @pytest.mark.parametrize("want_mass", [False, True])
-def test_kernel_matches_the_reference_in_float32(shape, want_mass):
+def test_kernel_matches_the_reference_in_float32(kernel, shape, want_mass):
     *dims, hidden = shape
     q, q_pos, full, groups, rope = make_inputs(*dims, hidden=hidden)
     ref = attend_reference(q, q_pos, full, groups, rope, want_mass=want_mass)
@@ -83,9 +86,8 @@ def test_kernel_matches_the_reference_in_float32(shape, want_mass):
             q.shape[0] * q.shape[1], rel=1e-5)  # every query's probabilities sum to one
 
 
-@needs_kernel
 @pytest.mark.parametrize("bits", [8, 4])
-def test_kernel_on_a_bf16_cache_matches_the_float32_reference(bits):
+def test_kernel_on_a_bf16_cache_matches_the_float32_reference(kernel, bits):
     # the kernel reads bf16 keys and values and computes in float32; the result is rounded to bf16 once
     q, q_pos, full, groups, rope = make_inputs(9, 3, 64, 6, 32, bits, 24, 1, dtype=torch.bfloat16)
     ref = attend_reference(q.float(), q_pos, as_float(full), groups, rope)
@@ -94,8 +96,7 @@ def test_kernel_on_a_bf16_cache_matches_the_float32_reference(bits):
     torch.testing.assert_close(got.out.float(), ref.out, atol=1e-2, rtol=1e-2)
 
 
-@needs_kernel
-def test_a_long_prefill_chunk_goes_to_the_reference(monkeypatch):
+def test_a_long_prefill_chunk_goes_to_the_reference(kernel, monkeypatch):
     q, q_pos, full, groups, rope = make_inputs(4, 2, 32, 2, 32, 8, cpu.MAX_QUERIES + 4, cpu.MAX_QUERIES + 1)
     assert not cpu.serves(q, full, groups)
     monkeypatch.setattr(cpu, "library", lambda: pytest.fail("the C library was called for a prefill chunk"))
@@ -103,7 +104,7 @@ def test_a_long_prefill_chunk_goes_to_the_reference(monkeypatch):
     torch.testing.assert_close(cpu.attend(q, q_pos, full, groups, rope).out, ref.out, atol=0, rtol=0)
 
 
-def test_switched_off_or_unbuildable_kernels_fall_back_to_the_reference(monkeypatch):
+def test_switched_off_or_unbuildable_kernels_fall_back_to_the_reference(fresh_build_state, monkeypatch):
     q, q_pos, full, groups, rope = make_inputs(4, 2, 32, 2, 32, 8, 5, 1)
     ref = attend_reference(q, q_pos, full, groups, rope)
     monkeypatch.setenv(build.ENV, "off")
@@ -124,7 +125,7 @@ def test_switched_off_or_unbuildable_kernels_fall_back_to_the_reference(monkeypa
         cpu.library()
 
 
-def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+def test_an_unwritable_cache_is_a_reason_not_a_crash(fresh_build_state, tmp_path, monkeypatch):
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder should be")
     monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(blocker))
@@ -132,8 +133,7 @@ def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path, monkeypatch):
     assert not loaded.ok and "did not build" in loaded.reason
 
 
-@needs_kernel
-def test_the_library_is_built_once_into_the_user_cache(tmp_path, monkeypatch):
+def test_the_library_is_built_once_into_the_user_cache(kernel, fresh_build_state, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(tmp_path))
     assert cpu.library().ok
     built = list((tmp_path / "kernels").glob("policy_attention-*.so"))
@@ -151,9 +151,9 @@ def tiny_gguf_head32(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("tiny32") / "tiny.gguf", cfg, tiny_weights(cfg, seed=5))
 
 
-@needs_kernel
 @pytest.mark.parametrize("policy", ["int8+res32", "int4+res32", "fp16+sink4+win40", "int8+res32+sink4+win64+heavy32"])
-def test_a_cpu_torch_session_decodes_through_the_kernel_as_the_reference_does(tiny_gguf_head32, monkeypatch, policy):
+def test_a_cpu_torch_session_decodes_through_the_kernel_as_the_reference_does(kernel, fresh_build_state, tiny_gguf_head32,
+                                                                              monkeypatch, policy):
     options = TorchOptions(device="cpu", dtype=torch.float32, block_size=8)
     ref_model = ModelRef("gguf", tiny_gguf_head32, "tiny", "file")
     plan = Plan.fixed("torch", load_model(ref_model, options).spec, KVPolicy.parse(policy), 400)
