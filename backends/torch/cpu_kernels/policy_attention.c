@@ -105,20 +105,30 @@ LC_INLINE void lc_full_row(const lc_args *a, const int64_t D, const void *base, 
     }
 }
 
+#if defined(__AVX2__)
+/* 32 packed bytes → their 64 4-bit codes in channel order, as two vectors of 32 bytes: split the
+ * nibbles, interleave them per 128-bit lane, put the lanes in order */
+LC_INLINE void lc_nibbles32(const uint8_t *row, __m256i codes[2]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i b = _mm256_loadu_si256((const __m256i *)row);
+    __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
+    codes[0] = _mm256_permute2x128_si256(a, c, 0x20);
+    codes[1] = _mm256_permute2x128_si256(a, c, 0x31);
+}
+#endif
+
 /* one row of D codes as bytes in channel order (4-bit codes unpacked into `pairs`) */
 LC_INLINE const uint8_t *lc_unpack(const uint8_t *restrict row, const int64_t D, int64_t bits, uint16_t *restrict pairs) {
     if (bits == 8) return row;
     uint8_t *w = (uint8_t *)pairs;
     int64_t i = 0;
 #if defined(__AVX2__)
-    /* 32 bytes → 64 codes: split the nibbles, interleave them per 128-bit lane, put the lanes in order */
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
     for (; i + 32 <= D / 2; i += 32) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(row + i));
-        __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
-        __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
-        _mm256_storeu_si256((__m256i *)(w + 2 * i), _mm256_permute2x128_si256(a, c, 0x20));
-        _mm256_storeu_si256((__m256i *)(w + 2 * i + 32), _mm256_permute2x128_si256(a, c, 0x31));
+        __m256i codes[2];
+        lc_nibbles32(row + i, codes);
+        _mm256_storeu_si256((__m256i *)(w + 2 * i), codes[0]);
+        _mm256_storeu_si256((__m256i *)(w + 2 * i + 32), codes[1]);
     }
 #endif
     for (; i < D / 2; i++) {
@@ -133,12 +143,9 @@ LC_INLINE void lc_decode(const uint8_t *restrict row, const int64_t D, int64_t b
                          const float *restrict min, float *restrict x) {
 #if defined(__AVX512F__) && defined(__AVX2__)
     if (bits == 4 && D % 64 == 0) {  /* unpacked in registers, straight to float (no round trip through memory) */
-        const __m256i low4 = _mm256_set1_epi8(0x0f);
         for (int64_t i = 0; i < D / 2; i += 32) {
-            __m256i b = _mm256_loadu_si256((const __m256i *)(row + i));
-            __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
-            __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
-            __m256i halves[2] = {_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31)};
+            __m256i halves[2];
+            lc_nibbles32(row + i, halves);
             for (int h = 0; h < 2; h++) {
                 __m128i parts[2] = {_mm256_castsi256_si128(halves[h]), _mm256_extracti128_si256(halves[h], 1)};
                 for (int q = 0; q < 2; q++) {

@@ -62,8 +62,8 @@ def serves(q: torch.Tensor, full: FullTokens, quant: QuantGroups | None) -> bool
             and (quant is None or quant.group_size <= MAX_GROUP) and full.k.dtype in FULL_KINDS and available())
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
 
 
 def attend(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: QuantGroups | None,
