@@ -19,8 +19,8 @@ class Rows:
     ``start`` in the buffer.
 
     A sliding window drops, at each step, the oldest rows after a short head (the sinks):
-    ``keep`` then moves the head forward over them and advances ``start`` instead of moving the
-    whole window down, so a step costs the head's size, not the window's. ``append`` moves the
+    ``drop_run`` then moves the head forward over them and advances ``start`` instead of moving
+    the whole window down, so a step costs the head's size, not the window's. ``append`` moves the
     rows back to the front when the buffer's end is reached and there is room (at most once per
     buffer length of appends), and grows the buffer by doubling otherwise."""
 
@@ -53,15 +53,25 @@ class Rows:
         if k == 0:
             return
         head = int(dropped[0])
-        if int(dropped[-1]) - head + 1 == k and head <= self.n - head - k:  # one run, after a short head
-            s = self.start
-            if head:
-                self.buf[s + k:s + k + head] = self.buf[s:s + head].clone()
-            self.start, self.n = s + k, self.n - k
+        if int(dropped[-1]) - head + 1 == k:  # one run
+            self.drop_run(head, k)
             return
         kept = self.view[mask]
         self.buf[self.start:self.start + kept.shape[0]] = kept
         self.n = kept.shape[0]
+
+    def drop_run(self, head: int, k: int) -> None:
+        """Drop the ``k`` rows after the first ``head``: the shorter side of the gap moves."""
+        if k <= 0:
+            return
+        s, tail = self.start, self.n - head - k
+        if head <= tail:
+            if head:
+                self.buf[s + k:s + k + head] = self.buf[s:s + head].clone()
+            self.start = s + k
+        elif tail:
+            self.buf[s + head:s + head + tail] = self.buf[s + head + k:s + self.n].clone()
+        self.n -= k
 
 
 class LayerStore:
@@ -73,11 +83,17 @@ class LayerStore:
         self.quantizes = quantizes
         self.head_groups = eviction.head_groups(policy)
         self.heavy_units = heavy_units
+        # a plain window over full-precision tokens holds the sinks and one contiguous run of
+        # the newest tokens, starting at stream index ``main_start``: evicting is arithmetic
+        self.window_only = policy.window is not None and not quantizes and heavy_units == 0
+        self.main_start = policy.sinks
         H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
         self.full_k = Rows((H, D), dtype, device)  # [N, H, D] before RoPE
         self.full_v = Rows((H, D), dtype, device)
-        self.full_idx = Rows((), torch.long, device)
-        self.full_mass = Rows((), torch.float32, device)
+        # stream index and attention mass per full token; a plain window needs neither
+        self.full_idx = None if self.window_only else Rows((), torch.long, device)
+        self.full_mass = None if self.window_only else Rows((), torch.float32, device)
+        self._full_rows = [r for r in (self.full_k, self.full_v, self.full_idx, self.full_mass) if r is not None]
         if quantizes:
             packed = D * b // 8
             self.qk_codes = Rows((H, g, packed), torch.uint8, device)
@@ -102,7 +118,7 @@ class LayerStore:
 
     @property
     def n_tokens(self) -> int:
-        return self.full_idx.n + self.n_groups * self.policy.group_size
+        return self.full_k.n + self.n_groups * self.policy.group_size
 
     @property
     def nbytes(self) -> int:
@@ -111,11 +127,22 @@ class LayerStore:
             payload += [self.qk_codes, self.qk_scale, self.qk_min, self.qv_codes, self.qv_scale, self.qv_min]
         return sum(r.nbytes for r in payload)
 
+    def stream_indices(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stream index of every held full token [N] and group token [G, g]."""
+        groups = self.q_idx.view if self.n_groups else None
+        if not self.window_only:
+            return self.full_idx.view, groups
+        n, S, device = self.full_k.n, self.policy.sinks, self.full_k.buf.device
+        if n <= S:
+            return torch.arange(n, device=device), groups
+        return torch.cat([torch.arange(S, device=device),
+                          torch.arange(self.main_start, self.main_start + n - S, device=device)]), groups
+
     def positions(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """In-cache positions (rank in stream order) of the full tokens [N] and groups [G, g]."""
+        if not self.n_groups:  # the full tokens are already in stream order
+            return torch.arange(self.full_k.n, device=self.full_k.buf.device), None
         full_idx = self.full_idx.view
-        if not self.n_groups:
-            return torch.arange(full_idx.numel(), device=full_idx.device), None  # already in stream order
         q_idx = self.q_idx.view
         q_flat = q_idx.reshape(-1)
         # both lists are in stream order, so a token's rank is its index in its own list plus the
@@ -143,6 +170,8 @@ class LayerStore:
         T = k.shape[0]
         self.full_k.append(k)
         self.full_v.append(v)
+        if self.window_only:
+            return
         self.full_idx.append(torch.arange(first_index, first_index + T, device=k.device))
         self.full_mass.append(torch.zeros(T, device=k.device))
 
@@ -193,6 +222,13 @@ class LayerStore:
             return
         S = p.sinks
         m = max(0, n_seen - S)
+        if self.window_only:  # rule 3 without masks: the run before ``cut`` leaves, after the S sinks
+            cut = S + m - p.window
+            if cut > self.main_start:
+                for rows in self._full_rows:
+                    rows.drop_run(S, cut - self.main_start)
+                self.main_start = cut
+            return
         idx = self.full_idx.view
         out = leaving(idx - S, m, p.window, idx < S)
         if bool(out.any()):
@@ -209,5 +245,14 @@ class LayerStore:
                     rows.keep(keep)
 
     def keep_full(self, keep: torch.Tensor) -> None:
-        for rows in (self.full_k, self.full_v, self.full_idx, self.full_mass):
+        for rows in self._full_rows:
             rows.keep(keep)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` of a store that has evicted nothing, cutting full-precision
+        tokens only (``PolicyKVCache.can_truncate`` checks both)."""
+        if self.window_only:  # stream order is row order
+            for rows in self._full_rows:
+                rows.drop_run(n_tokens, rows.n - n_tokens)
+        else:
+            self.keep_full(self.full_idx.view < n_tokens)

@@ -134,7 +134,7 @@ class PolicyKVCache:
             self._seqs[seq_id] = _Sequence(self._new_layers())
         elif n_tokens < seq.n_seen:
             for layer in seq.layers:
-                layer.keep_full(layer.full_idx.view < n_tokens)
+                layer.truncate(n_tokens)
             seq.n_seen = n_tokens
         self._sync_pool(seq_id)
 

@@ -61,7 +61,8 @@ def test_every_combination_streams_with_exact_bytes_and_held_tokens(text):
             full_pos, q_pos = layer.positions()
             every = torch.cat([full_pos] + ([q_pos.reshape(-1)] if q_pos is not None else []))
             assert torch.equal(every.sort().values, torch.arange(layer.n_tokens)), "positions are not re-indexed"
-            idx = torch.cat([layer.full_idx.view] + ([layer.q_idx.view.reshape(-1)] if layer.n_groups else []))
+            full_idx, group_idx = layer.stream_indices()
+            idx = torch.cat([full_idx] + ([group_idx.reshape(-1)] if group_idx is not None else []))
             assert set(range(min(n, policy.sinks))) <= set(idx.tolist()), "a sink was evicted"
             newest = min(n - policy.sinks, policy.window or n)
             assert set(range(n - newest, n)) <= set(idx.tolist()), "a token inside the window was evicted"
@@ -204,6 +205,31 @@ def test_truncate_keeps_a_prefix_only_while_nothing_was_evicted_or_quantized_awa
     windowed = PolicyKVCache(SHAPE, KVPolicy.parse("fp16+win16"), ROPE)
     list(stream(windowed, [0], [30]))
     assert windowed.can_truncate(0, 30) and not windowed.can_truncate(0, 20)
+
+
+def test_a_window_cut_back_to_a_prefix_streams_on_like_one_that_never_saw_the_cut_tokens():
+    gen = torch.Generator().manual_seed(11)
+    tokens = [tuple(torch.randn(1, 1, h, D, generator=gen) for h in (H, HKV, HKV)) for _ in range(40)]
+    junk = [tuple(torch.randn(1, 1, h, D, generator=gen) for h in (H, HKV, HKV)) for _ in range(4)]
+
+    def feed(cache, steps):
+        outs = []
+        for q, k, v in steps:
+            cache.begin_step([0], 1)
+            outs.append(torch.stack([cache.attend(layer, q, k, v) for layer in range(L)]))
+            cache.end_step()
+        return outs
+
+    policy = KVPolicy.parse("fp16+sink2+win16")
+    cut, fresh = PolicyKVCache(SHAPE, policy, ROPE), PolicyKVCache(SHAPE, policy, ROPE)
+    cut.add_sequence(0); fresh.add_sequence(0)
+    feed(cut, tokens[:6] + junk)
+    cut.truncate(0, 6)
+    feed(fresh, tokens[:6])
+    for a, b in zip(feed(cut, tokens[6:]), feed(fresh, tokens[6:])):  # past the window: both evict
+        assert torch.equal(a, b)
+    assert cut.kv_tokens(0) == fresh.kv_tokens(0) == 18
+    assert torch.equal(cut._seqs[0].layers[0].stream_indices()[0], torch.tensor([0, 1] + list(range(24, 40))))
 
 
 def test_a_full_pool_is_refused_before_the_step_and_a_window_streams_on_in_the_same_blocks():

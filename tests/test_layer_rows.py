@@ -34,3 +34,20 @@ def test_rows_match_a_list_under_sliding_window_drops_and_arbitrary_ones():
         assert rows.nbytes == len(ref) * 2 * 4
     assert starts_moved > 100  # the window's drops took the path that moves only the sinks
     assert rows.buf.shape[0] <= 4 * 64  # and the buffer did not grow without bound
+
+
+def test_drop_run_moves_the_shorter_side_of_the_gap():
+    def filled(n):
+        rows = Rows((), torch.long, "cpu")
+        rows.append(torch.arange(n))
+        return rows
+
+    short_head = filled(20)
+    short_head.drop_run(3, 5)  # 3 sinks move forward over the 5 dropped rows
+    assert short_head.start == 5 and short_head.view.tolist() == [0, 1, 2] + list(range(8, 20))
+    long_head = filled(20)
+    long_head.drop_run(15, 3)  # the 2 rows after the gap move back instead
+    assert long_head.start == 0 and long_head.view.tolist() == list(range(15)) + [18, 19]
+    everything = filled(6)
+    everything.drop_run(0, 6)
+    assert everything.n == 0 and everything.view.numel() == 0
