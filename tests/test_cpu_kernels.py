@@ -96,6 +96,22 @@ def test_kernel_on_a_bf16_cache_matches_the_float32_reference(kernel, bits):
     torch.testing.assert_close(got.out.float(), ref.out, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("Hq,Hkv,D,T", [(9, 3, 64, 1), (9, 3, 64, 2), (8, 2, 128, 1), (5, 1, 32, 3), (12, 2, 64, 1)],
+                         ids=lambda v: str(v))
+def test_a_full_precision_window_matches_the_float32_reference(kernel, dtype, Hq, Hkv, D, T):
+    # only full-precision tokens, more than the kernel reads ahead (its prefetch stops at the last
+    # row) and not a whole number of its blocks; 1 to 6 queries share a KV head (value sums are
+    # kept for up to 4 of them at a time); the latest key is masked for all but the last query
+    q, q_pos, full, _, rope = make_inputs(Hq, Hkv, D, 0, 32, 8, 83, T, dtype=dtype)
+    ref = attend_reference(q.float(), q_pos, as_float(full), None, rope, want_mass=True)
+    got = cpu.attend(q, q_pos, full, None, rope, want_mass=True)
+    assert got.out.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.out.float(), ref.out, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.full_mass, ref.full_mass, atol=tol, rtol=tol)
+
+
 def test_a_long_prefill_chunk_goes_to_the_reference(kernel, monkeypatch):
     q, q_pos, full, groups, rope = make_inputs(4, 2, 32, 2, 32, 8, cpu.MAX_QUERIES + 4, cpu.MAX_QUERIES + 1)
     assert not cpu.serves(q, full, groups)

@@ -13,7 +13,8 @@
  *   values  out[t, hq] = sum_l p[hq * T + t][l] * v_l
  *
  * Key l runs over the quantized groups first (group i, token j: l = i * g + j), then the
- * full-precision tokens (l = G * g + n), as the reference orders them. */
+ * full-precision tokens (l = G * g + n), as the reference orders them. With AVX-512, full-precision
+ * tokens take the register path below (lc_scores_full, lc_values_full). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -240,6 +241,125 @@ LC_INLINE void lc_load_rows(const lc_args *a, const int64_t D, lc_unit un, int v
     for (int64_t j = 0; j < un.rows; j++) lc_full_row(a, D, values ? a->full_v : a->full_k, first + j, un.h, x + j * D);
 }
 
+#if defined(__AVX512F__)
+/* The full-precision tokens' fast path, for head dims that are a multiple of 32 up to 128: a row
+ * is loaded straight into D/16 vector registers (converted from bf16 or fp16 there), rotated
+ * there and dotted with each query of its head group; value rows are summed into registers for
+ * up to 4 queries at a time (2 for D = 128). Same results as the generic loops up to float
+ * rounding: the sums are taken in another order. */
+#define LC_FAST_MAX_C 8  /* vector registers per row: D/16 for D <= 128 */
+
+LC_INLINE void lc_full_vec(const void *base, int64_t off, const int64_t C, const int kind, __m512 *x) {
+    for (int64_t c = 0; c < C; c++) {
+        if (kind == LC_F32) {
+            x[c] = _mm512_loadu_ps((const float *)base + off + 16 * c);
+        } else {
+            __m256i r = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off + 16 * c));
+            x[c] = kind == LC_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16))
+                                   : _mm512_cvtph_ps(r);
+        }
+    }
+}
+
+/* start loading the same head's row LC_AHEAD rows on (the unit after next), so that it has arrived
+ * from memory when its turn comes: the hardware prefetcher alone leaves the step waiting on it */
+#define LC_AHEAD 32
+LC_INLINE void lc_prefetch_row(const lc_args *a, const void *base, int64_t n, int64_t h, const int64_t D,
+                               const int kind) {
+    if (n >= a->N) return;
+    const int64_t bytes = D * (kind == LC_F32 ? 4 : 2);
+    const char *row = (const char *)base + (n * a->Hkv + h) * bytes;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+}
+
+LC_INLINE void lc_scores_full_k(const lc_args *a, const int64_t D, lc_unit un, int64_t last, const int kind) {
+    const int64_t C = D / 16, HC = C / 2, half = D / 2, rep = a->Hq / a->Hkv, L = a->G * a->g + a->N;
+    const int64_t n0 = un.first - a->G * a->g;
+    for (int64_t j = 0; j < un.rows; j++) {
+        __m512 x[LC_FAST_MAX_C];
+        lc_full_vec(a->full_k, ((n0 + j) * a->Hkv + un.h) * D, C, kind, x);
+        lc_prefetch_row(a, a->full_k, n0 + j + LC_AHEAD, un.h, D, kind);
+        int64_t pos = un.pos[j] <= last ? un.pos[j] : 0;
+        const float *cs = a->cos + pos * half, *sn = a->sin + pos * half;
+        for (int64_t c = 0; c < HC; c++) {
+            __m512 co = _mm512_loadu_ps(cs + 16 * c), si = _mm512_loadu_ps(sn + 16 * c), x1 = x[c], x2 = x[c + HC];
+            x[c] = _mm512_fmsub_ps(x1, co, _mm512_mul_ps(x2, si));
+            x[c + HC] = _mm512_fmadd_ps(x2, co, _mm512_mul_ps(x1, si));
+        }
+        for (int64_t t = 0; t < a->T; t++) {
+            int visible = un.pos[j] <= a->q_pos[t];
+            for (int64_t r = 0; r < rep; r++) {
+                int64_t hq = un.h * rep + r;
+                const float *qv = a->qr + (t * a->Hq + hq) * D;
+                __m512 acc = _mm512_mul_ps(x[0], _mm512_loadu_ps(qv));
+                for (int64_t c = 1; c < C; c++) acc = _mm512_fmadd_ps(x[c], _mm512_loadu_ps(qv + 16 * c), acc);
+                a->scores[(hq * a->T + t) * L + un.first + j] = visible ? _mm512_reduce_add_ps(acc) : -INFINITY;
+            }
+        }
+    }
+}
+
+/* queries q0 .. q0 + NQ - 1 of the unit's head group (query i: head un.h * rep + i % rep, token i / rep) */
+LC_INLINE void lc_values_full_q(const lc_args *a, const int64_t D, lc_unit un, float *restrict acc, const int kind,
+                                int64_t q0, const int64_t NQ) {
+    const int64_t C = D / 16, rep = a->Hq / a->Hkv, L = a->G * a->g + a->N, n0 = un.first - a->G * a->g;
+    __m512 o[4][LC_FAST_MAX_C];
+    const float *p[4];
+    for (int64_t i = 0; i < NQ; i++) {
+        int64_t qi = q0 + i, hq = un.h * rep + qi % rep, t = qi / rep;
+        p[i] = a->scores + (hq * a->T + t) * L + un.first;
+        for (int64_t c = 0; c < C; c++) o[i][c] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < un.rows; j++) {
+        __m512 x[LC_FAST_MAX_C];
+        lc_full_vec(a->full_v, ((n0 + j) * a->Hkv + un.h) * D, C, kind, x);
+        lc_prefetch_row(a, a->full_v, n0 + j + LC_AHEAD, un.h, D, kind);
+        for (int64_t i = 0; i < NQ; i++) {
+            __m512 w = _mm512_set1_ps(p[i][j]);
+            for (int64_t c = 0; c < C; c++) o[i][c] = _mm512_fmadd_ps(w, x[c], o[i][c]);
+        }
+    }
+    for (int64_t i = 0; i < NQ; i++) {
+        int64_t qi = q0 + i, hq = un.h * rep + qi % rep, t = qi / rep;
+        float *dst = acc + (t * a->Hq + hq) * D;
+        for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_add_ps(_mm512_loadu_ps(dst + 16 * c), o[i][c]));
+    }
+}
+
+LC_INLINE void lc_values_full_k(const lc_args *a, const int64_t D, lc_unit un, float *restrict acc, const int kind) {
+    const int64_t n_q = a->Hq / a->Hkv * a->T, per = D <= 64 ? 4 : 2;  /* accumulators that fit the registers */
+    for (int64_t q0 = 0; q0 < n_q; q0 += per) {
+        switch (n_q - q0 < per ? n_q - q0 : per) {
+        case 4: lc_values_full_q(a, D, un, acc, kind, q0, 4); break;
+        case 3: lc_values_full_q(a, D, un, acc, kind, q0, 3); break;
+        case 2: lc_values_full_q(a, D, un, acc, kind, q0, 2); break;
+        default: lc_values_full_q(a, D, un, acc, kind, q0, 1);
+        }
+    }
+}
+
+/* whether a unit takes the fast path */
+LC_INLINE int lc_fast(const lc_args *a, const int64_t D, lc_unit un) {
+    return D % 32 == 0 && D <= 16 * LC_FAST_MAX_C && un.first >= a->G * a->g;
+}
+
+LC_INLINE void lc_scores_full(const lc_args *a, const int64_t D, lc_unit un, int64_t last) {
+    switch (a->full_kind) {
+    case LC_F32: lc_scores_full_k(a, D, un, last, LC_F32); break;
+    case LC_BF16: lc_scores_full_k(a, D, un, last, LC_BF16); break;
+    default: lc_scores_full_k(a, D, un, last, LC_F16);
+    }
+}
+
+LC_INLINE void lc_values_full(const lc_args *a, const int64_t D, lc_unit un, float *restrict acc) {
+    switch (a->full_kind) {
+    case LC_F32: lc_values_full_k(a, D, un, acc, LC_F32); break;
+    case LC_BF16: lc_values_full_k(a, D, un, acc, LC_BF16); break;
+    default: lc_values_full_k(a, D, un, acc, LC_F16);
+    }
+}
+#endif
+
 LC_INLINE void lc_scores_d(const lc_args *a, const int64_t D) {
     int64_t L = a->G * a->g + a->N, rep = a->Hq / a->Hkv, half = D / 2, n_units = lc_units(a), last = 0;
     for (int64_t t = 0; t < a->T; t++) last = a->q_pos[t] > last ? a->q_pos[t] : last;
@@ -247,6 +367,12 @@ LC_INLINE void lc_scores_d(const lc_args *a, const int64_t D) {
     for (int64_t u = 0; u < n_units; u++) {
         float k[LC_MAX_ROWS * LC_MAX_D];
         lc_unit un = lc_unit_at(a, u);
+#if defined(__AVX512F__)
+        if (lc_fast(a, D, un)) {
+            lc_scores_full(a, D, un, last);
+            continue;
+        }
+#endif
         lc_load_rows(a, D, un, 0, k);
         for (int64_t j = 0; j < un.rows; j++) {  /* rotate each key at its position (keys past every query: none) */
             int64_t pos = un.pos[j] <= last ? un.pos[j] : 0;
@@ -306,6 +432,12 @@ LC_INLINE void lc_values_d(const lc_args *a, const int64_t D, float *restrict ac
         float v[LC_MAX_ROWS * LC_MAX_D];
         if (!acc) continue;
         lc_unit un = lc_unit_at(a, u);
+#if defined(__AVX512F__)
+        if (lc_fast(a, D, un)) {
+            lc_values_full(a, D, un, acc);
+            continue;
+        }
+#endif
         lc_load_rows(a, D, un, 1, v);
         for (int64_t q0 = 0; q0 < n_q; q0 += LC_Q) {  /* query i: head un.h * rep + i % rep, token i / rep */
             int64_t nq = n_q - q0 < LC_Q ? n_q - q0 : LC_Q;

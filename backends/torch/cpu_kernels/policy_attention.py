@@ -5,7 +5,10 @@ The reference dequantizes and rotates every cached key at every step; at 8K cach
 costs several times fp16 attention, which made quantized KV the slow choice on a CPU. The C
 kernel decodes a group of keys at a time into a small buffer, rotates them and dots them with the
 queries of their head group, takes the softmax and sums the values the same way, in float32 with
-the fp16 scales, over torch's thread count, in one call per layer.
+the fp16 scales, over torch's thread count, in one call per layer. On an AVX-512 CPU the
+full-precision tokens (a sliding window's, the recent residual) take a path that keeps each row in
+vector registers and reads ahead of itself, since at a 1,024-token window that read is most of
+the step's growth over a short context.
 
 It serves steps of up to ``MAX_QUERIES`` query tokens (decode); longer ones (prefill chunks)
 go to the reference, which dequantizes once for the whole chunk. Where the library cannot be
