@@ -100,9 +100,9 @@ def test_kernel_on_a_bf16_cache_matches_the_float32_reference(kernel, bits):
 @pytest.mark.parametrize("Hq,Hkv,D,T", [(9, 3, 64, 1), (9, 3, 64, 2), (8, 2, 128, 1), (5, 1, 32, 3), (12, 2, 64, 1)],
                          ids=lambda v: str(v))
 def test_a_full_precision_window_matches_the_float32_reference(kernel, dtype, Hq, Hkv, D, T):
-    # only full-precision tokens, more than the kernel reads ahead (its prefetch stops at the last
-    # row) and not a whole number of its blocks; 1 to 6 queries share a KV head (value sums are
-    # kept for up to 4 of them at a time); the latest key is masked for all but the last query
+    # only full-precision tokens: more than the kernel reads ahead (its prefetch stops at the last
+    # row) and not a whole number of its blocks; 3 to 15 queries per KV head (value sums are kept
+    # for up to 4 of them at a time); with T > 1, keys after a query's position are masked for it
     q, q_pos, full, _, rope = make_inputs(Hq, Hkv, D, 0, 32, 8, 83, T, dtype=dtype)
     ref = attend_reference(q.float(), q_pos, as_float(full), None, rope, want_mass=True)
     got = cpu.attend(q, q_pos, full, None, rope, want_mass=True)
