@@ -1,4 +1,4 @@
-"""The backend contract every surface talks to (DESIGN.md "Flow").
+"""The backend contract every surface talks to (docs/architecture.md "Flow").
 
     session = backend.load(model_ref, plan)
     for event in session.generate(messages_or_prompt, params, cancel): ...

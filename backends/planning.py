@@ -1,5 +1,5 @@
 """What the planner needs from this machine and a backend: the hardware profile, the backend's
-refusals, its calibration, and which backend a kind of hardware runs (DESIGN.md "Backends")."""
+refusals, its calibration, and which backend a kind of hardware runs (docs/architecture.md "Backends")."""
 from __future__ import annotations
 
 import importlib

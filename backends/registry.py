@@ -42,7 +42,7 @@ def get(name: str) -> Backend:
 
 
 def auto_name() -> str:
-    """Apple Silicon → mlx; an NVIDIA GPU → torch; otherwise llama.cpp (DESIGN.md "Backends")."""
+    """Apple Silicon → mlx; an NVIDIA GPU → torch; otherwise llama.cpp (docs/architecture.md "Backends")."""
     if sys.platform == "darwin" and platform.machine() == "arm64" and importlib.util.find_spec("mlx"):
         return "mlx"
     if Path("/proc/driver/nvidia/version").exists() and importlib.util.find_spec("torch"):

@@ -1,3 +1,3 @@
 """KV-cache policies, the cost model, the planner and cache implementations.
 
-Must not import a backend or the app (DESIGN.md, "Layout")."""
+Must not import a backend or the app (docs/architecture.md, "Layout")."""

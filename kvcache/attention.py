@@ -3,7 +3,7 @@ the same signature.
 
 Keys sit in blocks of a pool (``k_blocks``: [n_blocks, block_size, n_kv_heads, head_dim]).
 A sequence's keys are its blocks in block-table order; the key at index ``j`` of that list is
-at position ``j`` *in the cache* (DESIGN.md "KV policies"), and a query at position ``p`` sees
+at position ``j`` *in the cache* (docs/architecture.md "KV policies"), and a query at position ``p`` sees
 keys ``0..p``. Keys are stored either already rotated at their in-cache position
 (``key_rope=None``) or before RoPE, in which case ``key_rope`` rotates them here."""
 from __future__ import annotations

@@ -28,7 +28,7 @@ The rules, for a stream of ``n`` tokens (index 0 = the first token) and a policy
    groups: the budget is ceil(heavy / g) groups.
 
 Everything stays in stream order; a kept token's position in the cache is its rank in that
-order, so attention sees the cache as one contiguous sequence (DESIGN.md "KV policies").
+order, so attention sees the cache as one contiguous sequence (docs/architecture.md "KV policies").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Plan: what the planner chose, what it projects, and why (DESIGN.md "Core types")."""
+"""Plan: what the planner chose, what it projects, and why (docs/architecture.md "Core types")."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""The planner (DESIGN.md "Planner"): picks the KV policy from memory capacity, bandwidth and the
+"""The planner (docs/architecture.md "Planner"): picks the KV policy from memory capacity, bandwidth and the
 backend's calibrated costs, and explains the choice and every rejected alternative.
 
 Order of preference: exact fp16 → int8 → int4 (+ a full-precision residual where the backend has

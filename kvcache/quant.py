@@ -1,4 +1,4 @@
-"""Group-wise affine quantization of K/V (8- and 4-bit), as DESIGN.md "KV policies" defines it.
+"""Group-wise affine quantization of K/V (8- and 4-bit), as docs/architecture.md "KV policies" defines it.
 
 One group of ``group_size`` elements shares a ``scale`` and a ``min`` (both fp16):
 

@@ -1,4 +1,4 @@
-"""The cost model's worked numbers (DESIGN.md "Cost model"), on the shapes in assets/models.json."""
+"""The cost model's worked numbers (docs/architecture.md "Cost model"), on the shapes in assets/models.json."""
 from localctx.kvcache import cost
 from localctx.kvcache.known_models import known_spec
 from localctx.kvcache.policy import KVPolicy

@@ -1,4 +1,4 @@
-"""Quality of a KV policy on the torch backend (DESIGN.md "Measuring"):
+"""Quality of a KV policy on the torch backend (docs/architecture.md "Measuring"):
 
 - perplexity of a long text processed *through* the policy's cache, chunk by chunk, the way
   decoding sees it (tokens are quantized and evicted as they stream in; each chunk's
