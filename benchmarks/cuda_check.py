@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("app", "backends", "kvcache", "kernels_cuda", "kernels_metal", "assets")
 # phase → its deadline as a fraction of --budget-s (time a phase leaves unused rolls forward)
-DEADLINES = {"pytest": 0.20, "kernels": 0.48, "bandwidth": 0.50, "decode_attention": 0.62, "end_to_end": 1.0}
+DEADLINES = {"pytest": 0.18, "kernels": 0.50, "bandwidth": 0.52, "decode_attention": 0.63, "end_to_end": 1.0}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -180,7 +180,8 @@ def quantize_case(D: int, g: int, bits: int, dtype: torch.dtype, device: torch.d
 
 
 def grid_cases(grid: KernelGrid) -> list[tuple[str, str, dict]]:
-    """(kernel, case name, arguments) for every case, cheapest first within each kernel."""
+    """(kernel, case name, arguments) for every case. Ordered so that a short budget leaves out the
+    least: quantise-and-append, then every "near" case, then the "far" ones, each in every dtype."""
     cases = []
     for dtype in grid.dtypes:
         for D in grid.head_dims:
@@ -188,25 +189,32 @@ def grid_cases(grid: KernelGrid) -> list[tuple[str, str, dict]]:
                 for bits in grid.bits:
                     cases.append(("quant_append.quantize_append", f"d{D}-g{g}-int{bits}",
                                   dict(fn=quantize_case, D=D, g=g, bits=bits, dtype=dtype)))
-        for far in (False, True):
-            for D in grid.head_dims:
-                for rep in grid.gqa:
-                    for bits in grid.bits:
-                        name = f"d{D}-gqa{rep}-int{bits}-res{grid.residual}-sinks{grid.sinks}" + (
-                            "-mass" if rep == 4 else "") + ("-past64k" if far else "")
-                        cases.append(("quant_attention.attend", name,
-                                      dict(fn=policy_case, grid=grid, D=D, rep=rep, bits=bits, far=far, dtype=dtype)))
-            for D in grid.head_dims:
-                for rep in grid.gqa:
-                    for masked in (False, True):
-                        for rope_keys in ((False, True) if far else (False,)):
-                            keys = grid.far_keys if far else grid.near_keys
-                            name = (f"d{D}-gqa{rep}-bs{grid.block_size}-{keys}keys"
-                                    + (f"-sink{grid.sinks}-win{grid.window}" if masked else "")
-                                    + ("-ropekeys" if rope_keys else "") + ("-past64k" if keys > FAR else ""))
-                            cases.append(("paged_attention.paged_attention", name,
-                                          dict(fn=paged_case, grid=grid, D=D, rep=rep, masked=masked, far=far,
-                                               rope_keys=rope_keys, dtype=dtype)))
+    for far in (False, True):
+        for dtype in grid.dtypes:
+            cases += _attention_cases(grid, far, dtype)
+    return cases
+
+
+def _attention_cases(grid: KernelGrid, far: bool, dtype: torch.dtype) -> list[tuple[str, str, dict]]:
+    cases = []
+    for D in grid.head_dims:
+        for rep in grid.gqa:
+            for bits in grid.bits:
+                name = f"d{D}-gqa{rep}-int{bits}-res{grid.residual}-sinks{grid.sinks}" + (
+                    "-mass" if rep == 4 else "") + ("-past64k" if far else "")
+                cases.append(("quant_attention.attend", name,
+                              dict(fn=policy_case, grid=grid, D=D, rep=rep, bits=bits, far=far, dtype=dtype)))
+    keys = grid.far_keys if far else grid.near_keys
+    for D in grid.head_dims:
+        for rep in grid.gqa:
+            for masked in (False, True):
+                for rope_keys in ((False, True) if far else (False,)):
+                    name = (f"d{D}-gqa{rep}-bs{grid.block_size}-{keys}keys"
+                            + (f"-sink{grid.sinks}-win{grid.window}" if masked else "")
+                            + ("-ropekeys" if rope_keys else "") + ("-past64k" if keys > FAR else ""))
+                    cases.append(("paged_attention.paged_attention", name,
+                                  dict(fn=paged_case, grid=grid, D=D, rep=rep, masked=masked, far=far,
+                                       rope_keys=rope_keys, dtype=dtype)))
     return cases
 
 
