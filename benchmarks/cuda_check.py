@@ -148,7 +148,8 @@ def _atomic(path: Path, text: str) -> None:
 
 def third_party_modules() -> list[str]:
     mine = {"localctx", "__main__"} | {m for m in sys.modules if m.startswith("cuda_check")}
-    tops = {m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names) - mine
+    loaded = {m.split(".")[0] for m, module in sys.modules.items() if module is not None}  # None: blocked
+    tops = loaded - set(sys.stdlib_module_names) - mine
     return sorted(t for t in tops if not t.startswith("_"))
 
 
