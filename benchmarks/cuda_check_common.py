@@ -88,7 +88,6 @@ def copy_bandwidth(device: torch.device, n_bytes: int, reps: int) -> dict:
     src.fill_(1)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), reps, 3, device)
-    del src, dst
     return {"bytes": n_bytes, "median_ms": ms, "gbs": 2 * n_bytes / (ms * 1e-3) / 1e9, "reps": reps,
             "method": "torch Tensor.copy_ between two uint8 tensors, " + ("CUDA events" if device.type == "cuda"
                                                                           else "wall clock")}

@@ -196,8 +196,7 @@ def measure(L: int, B: int, s: DecodeSizes, rope: Rope, copy_gbs: float, device:
         out.append({"context": L, "batch": B, "variant": var.name, "note": var.note, "eager_ms": eager,
                     "graph_ms": graph, "graph_note": why, "bytes_read": var.bytes_read, "gbs": gbs,
                     "copy_fraction": gbs / copy_gbs, "speedup_vs_sdpa": (base / best) if base else None})
-    del x, quants
-    return out
+    return out  # the inputs are freed with this frame
 
 
 def check(var: Variant, x: Inputs, quants: dict, rope: Rope, s: DecodeSizes, L: int, B: int) -> dict:
