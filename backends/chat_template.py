@@ -14,6 +14,21 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+# Gemma's turn format (user / model turns, no system role: ChatTemplate folds a system prompt into
+# the first user turn), for Gemma GGUFs converted without a template
+GEMMA_TURNS = ("{{ bos_token }}{% for message in messages %}"
+               "{% if message['role'] == 'system' %}{{ raise_exception('Gemma has no system role') }}{% endif %}"
+               "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' "
+               "+ message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+_BUILTIN_BY_ARCH = {"gemma": GEMMA_TURNS, "gemma2": GEMMA_TURNS, "gemma3": GEMMA_TURNS}
+
+
+def builtin_template(architecture: str) -> str | None:
+    """The chat format of an architecture whose GGUF may ship without a template (None: ChatML)."""
+    return _BUILTIN_BY_ARCH.get(architecture)
+
+
 def _raise(message: str):
     raise TemplateError(message)
 

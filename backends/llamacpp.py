@@ -16,7 +16,7 @@ from typing import Iterator
 from localctx.backends import llamacpp_shift
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits)
-from localctx.backends.chat_template import ChatTemplate
+from localctx.backends.chat_template import ChatTemplate, builtin_template
 from localctx.backends.llamacpp_alloc import N_UBATCH, held_bytes, swa_window
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import ModelRef
@@ -118,7 +118,7 @@ class LlamaCppSession(Session):
             raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
                             "architecture this llama-cpp-python supports, or update it") from None
         meta = self.llm.metadata
-        self.template = ChatTemplate(meta.get("tokenizer.chat_template"),
+        self.template = ChatTemplate(meta.get("tokenizer.chat_template") or builtin_template(self.spec.architecture),
                                      bos_token=self._piece(self.llm.token_bos()),
                                      eos_token=self._piece(self.llm.token_eos()))
         self._eog = _EndOfGeneration(self.llm)
