@@ -14,19 +14,13 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-# Gemma's turn format (user / model turns, no system role: ChatTemplate folds a system prompt into
-# the first user turn), for Gemma GGUFs converted without a template
-GEMMA_TURNS = ("{{ bos_token }}{% for message in messages %}"
-               "{% if message['role'] == 'system' %}{{ raise_exception('Gemma has no system role') }}{% endif %}"
-               "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' "
-               "+ message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
-               "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-_BUILTIN_BY_ARCH = {"gemma": GEMMA_TURNS, "gemma2": GEMMA_TURNS, "gemma3": GEMMA_TURNS}
-
-
-def builtin_template(architecture: str) -> str | None:
-    """The chat format of an architecture whose GGUF may ship without a template (None: ChatML)."""
-    return _BUILTIN_BY_ARCH.get(architecture)
+# a GGUF converted without a chat template is taken as a base (completion) model: the conversation
+# becomes a plain question-and-answer transcript it can continue, cut at the next question
+TRANSCRIPT = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+              "{% elif message['role'] == 'user' %}{{ 'Question: ' + message['content'] + '\n' }}"
+              "{% else %}{{ 'Answer: ' + message['content'] + '\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}")
+TRANSCRIPT_STOPS = ("\nQuestion:",)
 
 
 def _raise(message: str):
@@ -34,7 +28,7 @@ def _raise(message: str):
 
 
 class ChatTemplate:
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "", stops: tuple[str, ...] = ()):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -46,6 +40,7 @@ class ChatTemplate:
                             "or fix the template") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.stops = stops  # text that ends an answer in this format (the transcript's next question)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:

@@ -10,13 +10,14 @@ import functools
 import os
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 from localctx.backends import llamacpp_shift
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits)
-from localctx.backends.chat_template import ChatTemplate, builtin_template
+from localctx.backends.chat_template import TRANSCRIPT, TRANSCRIPT_STOPS, ChatTemplate
 from localctx.backends.llamacpp_alloc import N_UBATCH, held_bytes, swa_window
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import ModelRef
@@ -118,9 +119,10 @@ class LlamaCppSession(Session):
             raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
                             "architecture this llama-cpp-python supports, or update it") from None
         meta = self.llm.metadata
-        self.template = ChatTemplate(meta.get("tokenizer.chat_template") or builtin_template(self.spec.architecture),
-                                     bos_token=self._piece(self.llm.token_bos()),
-                                     eos_token=self._piece(self.llm.token_eos()))
+        source = meta.get("tokenizer.chat_template")
+        self.template = ChatTemplate(source or TRANSCRIPT, bos_token=self._piece(self.llm.token_bos()),
+                                     eos_token=self._piece(self.llm.token_eos()),
+                                     stops=() if source else TRANSCRIPT_STOPS)
         self._eog = _EndOfGeneration(self.llm)
         self._shift = llamacpp_shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
@@ -208,6 +210,8 @@ class LlamaCppSession(Session):
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         ids = self.tokenize(prompt)
+        if not isinstance(prompt, str) and self.template.stops:
+            params = replace(params, stop=params.stop + self.template.stops)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),

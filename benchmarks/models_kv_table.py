@@ -46,8 +46,8 @@ def rows_for(label: str, path: Path, contexts) -> list[dict]:
             "llama_cpp": [asdict(r) for r in reported],
             "llama_cpp_mib": round(sum(r.k_mib + r.v_mib for r in reported), 2),
             "cells_and_layers_equal": [(c.cells, c.layers) for c in ours] == [(r.cells, r.layers) for r in reported],
-            "bytes_within_report_rounding": all(abs(c.k_bytes / MiB - r.k_mib) <= 0.005
-                                                and abs(c.v_bytes / MiB - r.v_mib) <= 0.005
+            "bytes_within_report_rounding": all(abs(c.k_bytes / MiB - r.k_mib) <= 0.005 + 1e-9
+                                                and abs(c.v_bytes / MiB - r.v_mib) <= 0.005 + 1e-9
                                                 for c, r in zip(ours, reported)),
         })
     return out

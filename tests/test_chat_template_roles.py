@@ -1,8 +1,8 @@
-"""Templates without a system role (Gemma's) take the system prompt in the first user turn, as the
-model's own template does; a GGUF without a template gets its architecture's format."""
+"""Templates without a system role (Gemma 2's) take the system prompt in the first user turn, as
+Gemma's own templates do; a GGUF without a template (a base model) gets a plain transcript."""
 import pytest
 
-from localctx.backends.chat_template import GEMMA_TURNS, ChatTemplate, builtin_template, fold_system
+from localctx.backends.chat_template import TRANSCRIPT, TRANSCRIPT_STOPS, ChatTemplate, fold_system
 from localctx.kvcache.errors import UserError
 
 NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
@@ -26,10 +26,9 @@ def test_fold_system_keeps_later_turns_and_handles_a_lone_system_prompt():
     assert fold_system([{"role": "system", "content": "s"}]) == [{"role": "user", "content": "s"}]
 
 
-def test_gemma_gguf_without_a_template_gets_gemma_turns():
-    assert builtin_template("gemma3") == GEMMA_TURNS and builtin_template("llama") is None
-    t = ChatTemplate(GEMMA_TURNS, bos_token="<bos>")
+def test_a_gguf_without_a_template_is_continued_as_a_question_and_answer_transcript():
+    t = ChatTemplate(TRANSCRIPT, stops=TRANSCRIPT_STOPS)
     text = t.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
                      {"role": "assistant", "content": "Light."}, {"role": "user", "content": "More"}])
-    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nWhy?<end_of_turn>\n<start_of_turn>model\nLight."
-                    "<end_of_turn>\n<start_of_turn>user\nMore<end_of_turn>\n<start_of_turn>model\n")
+    assert text == "Be brief.\n\nQuestion: Why?\nAnswer: Light.\nQuestion: More\nAnswer:"
+    assert t.stops == ("\nQuestion:",)
