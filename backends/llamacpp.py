@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import io
 import os
+import sys
 import tempfile
 import threading
 from dataclasses import replace
@@ -39,8 +41,10 @@ def default_threads() -> int:
 
 @contextlib.contextmanager
 def quiet_stderr(log: list[str] | None = None):
-    """llama.cpp prints load logs from C on fd 2 even with verbose=False; keep the user's terminal clean.
-    With ``log``, what was printed is kept there (its lines), so a failed load can say why."""
+    """llama.cpp prints load logs from C on fd 2 even with verbose=False, and llama-cpp-python its
+    error log through sys.stderr; keep the user's terminal clean. With ``log``, what was printed
+    either way is kept there (its lines), so a failed load can say why."""
+    py_sink, saved_py = io.StringIO(), sys.stderr
     try:
         saved = os.dup(2)
     except OSError:  # no fd 2 (embedded use): nothing to silence
@@ -48,21 +52,33 @@ def quiet_stderr(log: list[str] | None = None):
         return
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 2)
+        sys.stderr = py_sink
         try:
             yield
         finally:
+            sys.stderr = saved_py
             os.dup2(saved, 2)
             os.close(saved)
             if log is not None:
                 sink.seek(0)
                 log.extend(sink.read().decode("utf-8", errors="replace").splitlines())
+                log.extend(py_sink.getvalue().splitlines())
+
+
+def _quiet_llama_log() -> None:
+    """llama-cpp-python's log callback back to errors only (a verbose load turned it up)."""
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
 
 
 def load_failure_reason(log: list[str]) -> str:
-    """The line of llama.cpp's log that says why a model did not load."""
-    for line in reversed(log):
-        if "error" in line.lower() or "unknown model architecture" in line or "failed" in line.lower():
-            return line.strip()[:200]
+    """The line of llama.cpp's log that says why a model did not load (its "error loading model: ..."
+    where there is one, else its last error or failure)."""
+    for words in (("error loading model",), ("error",), ("failed",)):
+        for line in reversed(log):
+            if any(w in line.lower() for w in words):
+                return line.strip().split("error loading model: ")[-1][:200]
     return "no reason in its log"
 
 
@@ -114,8 +130,11 @@ class LlamaCppSession(Session):
                 self.llm = Llama(model_path=str(ref.path), n_ctx=self.settings.n_ctx, n_threads=n_threads,
                                  n_threads_batch=n_threads, n_batch=512, n_ubatch=N_UBATCH, type_k=type_k,
                                  type_v=type_v, flash_attn=self.settings.flash_attn,
-                                 swa_full=self.settings.swa_full, verbose=False)
+                                 swa_full=self.settings.swa_full, verbose=True)  # the log, into ``log``
+            self.llm.verbose = False  # no per-call chatter from here on
+            _quiet_llama_log()
         except (ValueError, RuntimeError):
+            _quiet_llama_log()
             raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
                             "architecture this llama-cpp-python supports, or update it") from None
         meta = self.llm.metadata
