@@ -9,10 +9,12 @@ from localctx.kvcache.errors import UserError
 from localctx.kvcache.layouts import RECURRENT, SWA_PATTERNS, UNMODELLED, build_layers, config_params, pattern_for
 from localctx.kvcache.spec import MoE, ModelSpec
 
-# architectures whose graph localctx's own engines (torch, MLX) implement: GQA attention + RoPE +
-# SwiGLU MLP + RMSNorm. llama.cpp runs any architecture it loads; this set is the torch/MLX gate.
+# the Llama family's graph (GQA attention + RoPE + SwiGLU MLP + RMSNorm), which the torch and MLX
+# engines implement; llama.cpp runs any architecture it loads
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
-NATIVE_GRAPH = LLAMA_FAMILY  # a backend module adds to it where it implements another family's page
+# the architectures whose page the torch and MLX engines have (their Capabilities.native_graphs);
+# a new model page (Gemma 3) joins here when it lands
+NATIVE_GRAPH = frozenset(LLAMA_FAMILY)
 
 # architectures whose attention the readers know layer by layer (every other one is read as full
 # attention on every layer, and the spec records that as an assumption)

@@ -27,7 +27,7 @@ class MLXBackend(Backend):
         kernels = ("Metal kernels (fused quantized decode attention, quantise-and-append) where Metal exists; "
                    "the pure-MLX reference kernels elsewhere")
         return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32, 64}), residual=True,
-                            sinks_window=True, heavy=True, batch=False, native_graphs=frozenset(NATIVE_GRAPH),
+                            sinks_window=True, heavy=True, batch=False, native_graphs=NATIVE_GRAPH,
                             notes=(kernels, "one sequence at a time: generate_batch runs prompts in turn",
                                    "keys cached before RoPE, rotated at their in-cache positions"))
 
