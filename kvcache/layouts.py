@@ -49,7 +49,6 @@ RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv
 UNMODELLED = {
     "deepseek2": "MLA caches a compressed latent, not per-head K and V",
     "llama4": "chunked attention (8,192-token chunks) on 3 of 4 layers",
-    "phi3": "llama.cpp disables Phi-3's sliding window and attends to everything",
 }
 
 
