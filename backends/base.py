@@ -82,6 +82,15 @@ class Capabilities:
     heavy: bool = False
     batch: bool = False
     notes: tuple[str, ...] = ()
+    # architectures the engine's own model graph implements; None: whatever its runtime loads (llama.cpp)
+    native_graphs: frozenset | None = None
+
+    def model_refusal(self, backend: str, spec: ModelSpec) -> str | None:
+        """Why this engine cannot run ``spec``'s architecture, or None."""
+        if self.native_graphs is None or spec.architecture in self.native_graphs:
+            return None
+        return (f"the {backend} backend implements {', '.join(sorted(self.native_graphs))}, not "
+                f"{spec.architecture!r}; run it with --backend llamacpp and a GGUF file")
 
     def refusals(self, policy: KVPolicy) -> list[str]:
         """Reasons this backend cannot run ``policy``; empty when it can."""
@@ -157,6 +166,17 @@ class Backend(ABC):
 
     def refusals(self, policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
         return self.capabilities().refusals(policy)
+
+    def kv_allocation(self):
+        """``(spec, policy, context) -> bytes`` where this backend's KV allocation differs from the cost
+        model's peak (cells padded, sliding layers sized its own way); None where it does not."""
+        return None
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """Refuse, in one line, a model whose architecture this engine cannot run."""
+        reason = self.capabilities().model_refusal(self.name, spec)
+        if reason:
+            raise UserError(reason)
 
     @abstractmethod
     def load(self, model, plan: Plan) -> Session:

@@ -14,12 +14,21 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
+# a GGUF converted without a chat template is taken as a base (completion) model: the conversation
+# becomes a plain question-and-answer transcript it can continue, cut at the next question
+TRANSCRIPT = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+              "{% elif message['role'] == 'user' %}{{ 'Question: ' + message['content'] + '\n' }}"
+              "{% else %}{{ 'Answer: ' + message['content'] + '\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}")
+TRANSCRIPT_STOPS = ("\nQuestion:",)
+
+
 def _raise(message: str):
     raise TemplateError(message)
 
 
 class ChatTemplate:
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "", stops: tuple[str, ...] = ()):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -31,13 +40,34 @@ class ChatTemplate:
                             "or fix the template") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.stops = stops  # text that ends an answer in this format (the transcript's next question)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise UserError("each chat message needs a 'role' and a 'content'")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+            return self._render(list(messages), add_generation_prompt)
+        except TemplateError as exc:
+            folded = fold_system(messages)
+            if folded is None:
+                raise UserError(f"the model's chat template refused these messages: {exc}") from None
+        try:  # a template without a system role (Gemma's) takes the system prompt in the first user turn
+            return self._render(folded, add_generation_prompt)
         except TemplateError as exc:
             raise UserError(f"the model's chat template refused these messages: {exc}") from None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def fold_system(messages: Sequence[dict]) -> list[dict] | None:
+    """The messages with the system prompt moved to the head of the first user turn (a blank line
+    between), as Gemma's own template does with it; None when there is no system message to move."""
+    if not messages or messages[0]["role"] != "system":
+        return None
+    system, rest = messages[0]["content"], list(messages[1:])
+    if rest and rest[0]["role"] == "user":
+        return [{**rest[0], "content": f"{system}\n\n{rest[0]['content']}"}] + rest[1:]
+    return [{"role": "user", "content": system}] + rest

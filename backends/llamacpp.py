@@ -7,19 +7,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import io
 import os
+import sys
+import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 from localctx.backends import llamacpp_shift
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits)
-from localctx.backends.chat_template import ChatTemplate
+from localctx.backends.chat_template import TRANSCRIPT, TRANSCRIPT_STOPS, ChatTemplate
+from localctx.backends.llamacpp_alloc import N_UBATCH, held_bytes, swa_window
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import ModelRef
 from localctx.backends.streaming import KVProbe, stream
-from localctx.kvcache.errors import RuntimeFailure, UserError
+from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 
@@ -35,20 +40,46 @@ def default_threads() -> int:
 
 
 @contextlib.contextmanager
-def quiet_stderr():
-    """llama.cpp prints load logs from C on fd 2 even with verbose=False; keep the user's terminal clean."""
+def quiet_stderr(log: list[str] | None = None):
+    """llama.cpp prints load logs from C on fd 2 even with verbose=False, and llama-cpp-python its
+    error log through sys.stderr; keep the user's terminal clean. With ``log``, what was printed
+    either way is kept there (its lines), so a failed load can say why."""
+    py_sink, saved_py = io.StringIO(), sys.stderr
     try:
         saved = os.dup(2)
     except OSError:  # no fd 2 (embedded use): nothing to silence
         yield
         return
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        sys.stderr = py_sink
         try:
             yield
         finally:
+            sys.stderr = saved_py
             os.dup2(saved, 2)
             os.close(saved)
+            if log is not None:
+                sink.seek(0)
+                log.extend(sink.read().decode("utf-8", errors="replace").splitlines())
+                log.extend(py_sink.getvalue().splitlines())
+
+
+def _quiet_llama_log() -> None:
+    """llama-cpp-python's log callback back to errors only (a verbose load turned it up)."""
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
+
+
+def load_failure_reason(log: list[str]) -> str:
+    """The line of llama.cpp's log that says why a model did not load (its "error loading model: ..."
+    where there is one, else its last error or failure)."""
+    for words in (("error loading model",), ("error",), ("failed",)):
+        for line in reversed(log):
+            if any(w in line.lower() for w in words):
+                return line.strip().split("error loading model: ")[-1][:200]
+    return "no reason in its log"
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,22 +123,28 @@ class LlamaCppSession(Session):
         if plan.context > self.spec.context_length and not policy.evicts:
             raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
                             f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
+        log: list[str] = []
         try:
-            with quiet_stderr():
+            with quiet_stderr(log):
                 n_threads = threads or default_threads()
                 self.llm = Llama(model_path=str(ref.path), n_ctx=self.settings.n_ctx, n_threads=n_threads,
-                                 n_threads_batch=n_threads, n_batch=512, type_k=type_k, type_v=type_v,
-                                 flash_attn=self.settings.flash_attn, verbose=False)
-        except (ValueError, RuntimeError) as exc:
-            raise RuntimeFailure(f"llama.cpp could not load {ref.path.name}: {exc}") from None
+                                 n_threads_batch=n_threads, n_batch=512, n_ubatch=N_UBATCH, type_k=type_k,
+                                 type_v=type_v, flash_attn=self.settings.flash_attn,
+                                 swa_full=self.settings.swa_full, verbose=True)  # the log, into ``log``
+            self.llm.verbose = False  # no per-call chatter from here on
+            _quiet_llama_log()
+        except (ValueError, RuntimeError):
+            _quiet_llama_log()
+            raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
+                            "architecture this llama-cpp-python supports, or update it") from None
         meta = self.llm.metadata
-        self.template = ChatTemplate(meta.get("tokenizer.chat_template"),
-                                     bos_token=self._piece(self.llm.token_bos()),
-                                     eos_token=self._piece(self.llm.token_eos()))
+        source = meta.get("tokenizer.chat_template")
+        self.template = ChatTemplate(source or TRANSCRIPT, bos_token=self._piece(self.llm.token_bos()),
+                                     eos_token=self._piece(self.llm.token_eos()),
+                                     stops=() if source else TRANSCRIPT_STOPS)
         self._eog = _EndOfGeneration(self.llm)
         self._shift = llamacpp_shift.ContextShift(self.llm, self.settings) if policy.evicts else None
-        width = self.spec.n_kv_heads * self.spec.head_dim
-        self._bytes_per_token = self.spec.n_layers * (ggml_row_size(type_k, width) + ggml_row_size(type_v, width))
+        self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
 
     # -- prompts ---------------------------------------------------------------
     def _piece(self, token: int) -> str:
@@ -127,10 +164,12 @@ class LlamaCppSession(Session):
 
     # -- cache -----------------------------------------------------------------
     def kv_state(self) -> tuple[int, int, int]:
-        """(KV bytes held, tokens held, tokens evicted): llama.cpp's token count times its own row
-        sizes for the K and V types in use (ggml_row_size), so q8_0/q4_0 block scales are counted."""
+        """(KV bytes held, tokens held, tokens evicted): the tokens in llama.cpp's context, at most its
+        window in a sliding layer, at llama.cpp's own row sizes for the K and V types in use, so
+        q8_0/q4_0 block scales are counted (llamacpp_alloc.held_bytes)."""
         n = int(self.llm.n_tokens)
-        return n * self._bytes_per_token, n, self._shift.evicted if self._shift else 0
+        held = held_bytes(self.spec, self.settings.type_k, self.settings.type_v, n)
+        return held, n, self._shift.evicted if self._shift else 0
 
     def reset(self) -> None:
         self.llm.reset()
@@ -156,12 +195,23 @@ class LlamaCppSession(Session):
         return np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).copy()
 
     def _cached_prefix(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` the cache already holds and generate() will reuse. A compact SWA cache
+        has dropped sliding-layer cells older than its window, so a prefix ending more than a window
+        before the cache's end cannot be reused: the cache is cleared and the prompt evaluated anew."""
         n = 0
         for a, b in zip(self.llm._input_ids, tokens):
             if a != b:
                 break
             n += 1
-        return min(n, len(tokens) - 1)  # llama-cpp-python replays the last token to refresh logits
+        reuse = min(n, len(tokens) - 1)  # llama-cpp-python replays the last token to refresh logits
+        if self._n_swa and reuse > 0:
+            import llama_cpp
+
+            pos_min = llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(self.llm._ctx.ctx), 0)
+            if pos_min > max(0, reuse - self._n_swa):
+                self.reset()
+                return 0
+        return reuse
 
     def _tokens(self, prompt_ids: list[int], params: GenerationParams):
         if params.seed is not None:
@@ -179,6 +229,8 @@ class LlamaCppSession(Session):
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         ids = self.tokenize(prompt)
+        if not isinstance(prompt, str) and self.template.stops:
+            params = replace(params, stop=params.stop + self.template.stops)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
@@ -213,6 +265,11 @@ class LlamaCppBackend(Backend):
 
     def refusals(self, policy: KVPolicy, spec=None) -> list[str]:
         return self.capabilities().refusals(policy) + llamacpp_shift.refusals(policy, spec)
+
+    def kv_allocation(self):
+        """llama.cpp's own allocation (llamacpp_alloc): cells padded to 256, compact sliding layers."""
+        cal = llamacpp_shift.local_calibration()
+        return lambda spec, policy, context: llamacpp_shift.settings_for_policy(policy, context, cal).cache().bytes(spec)
 
     def load(self, model: ModelRef, plan: Plan) -> LlamaCppSession:
         if model.kind != "gguf":

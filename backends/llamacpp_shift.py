@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from localctx.backends.llamacpp_alloc import LlamaCppCache
 from localctx.kvcache import calibration
 from localctx.kvcache.calibration import Calibration
 from localctx.kvcache.plan import Plan
@@ -41,6 +42,10 @@ class LlamaCppSettings:
     sinks: int = 0
     window: int | None = None  # None: no context shift; the session ends at n_ctx
     shift_chunk: int = 0
+    swa_full: bool = False  # sliding layers at full size: only a context shift needs it (llamacpp_alloc)
+
+    def cache(self) -> LlamaCppCache:
+        return LlamaCppCache(self.n_ctx, self.type_k, self.type_v, self.flash_attn, self.swa_full)
 
     def type_ids(self) -> tuple[int, int]:
         import llama_cpp
@@ -55,6 +60,9 @@ def refusals(policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
     if policy.evicts and policy.quantized:
         out.append("its context shift would dequantise, re-rotate and requantise the quantized K cache at every "
                    "shift, compounding the error; use fp16 KV with a window (e.g. fp16+sink4+win4096)")
+    if policy.evicts and spec is not None and any(not layer.holds_kv for layer in spec.attention()):
+        out.append(f"{spec.name} has recurrent layers, whose state cannot drop old tokens, so llama.cpp "
+                   "cannot shift its context; use full-precision or quantized KV without a window")
     if policy.evicts and spec is not None and policy.capacity() > spec.context_length:
         out.append(f"sinks + window ({policy.capacity():,}) exceed {spec.name}'s trained context "
                    f"({spec.context_length:,}); cache positions past it degrade, so use a window up to "
@@ -77,14 +85,19 @@ def local_calibration() -> Calibration | None:
 
 
 def settings_for(plan: Plan, cal: Calibration | None = None) -> LlamaCppSettings:
-    policy = plan.policy
+    return settings_for_policy(plan.policy, plan.context, cal)
+
+
+def settings_for_policy(policy: KVPolicy, context: int, cal: Calibration | None = None) -> LlamaCppSettings:
+    """n_ctx and the KV types for ``policy``; sliding layers get the compact SWA cache unless the
+    policy streams through a context shift (which a compact SWA cache cannot do)."""
     kv = KV_TYPES[policy.bits]
     fa = flash_attn_for(policy.bits, cal)
     if policy.evicts:
         n_ctx = policy.capacity()
         return LlamaCppSettings(n_ctx=n_ctx, type_k=kv, type_v=kv, flash_attn=fa, sinks=policy.sinks,
-                                window=policy.window, shift_chunk=shift_chunk(policy.window))
-    return LlamaCppSettings(n_ctx=plan.context, type_k=kv, type_v=kv, flash_attn=fa)
+                                window=policy.window, shift_chunk=shift_chunk(policy.window), swa_full=True)
+    return LlamaCppSettings(n_ctx=context, type_k=kv, type_v=kv, flash_attn=fa)
 
 
 class ContextShift:

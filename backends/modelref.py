@@ -50,10 +50,15 @@ def resolve(ref: str | None) -> ModelRef:
         return _folder(path)
     if path.is_file():
         return _file(path)
-    if _REPO_ID.match(text) and not text.endswith(".gguf") and not text.startswith((".", "/", "~")):
+    if is_repo_id(text):
         return _hub(text)
     raise UserError(f"model not found: {text} is neither a file, a folder, a cached hub repo nor the "
                     f"default; give a .gguf path, an HF folder, a repo id (org/name) or omit -m")
+
+
+def is_repo_id(text: str) -> bool:
+    """``org/name`` (optionally ``:QUANT``), not a path."""
+    return bool(_REPO_ID.match(text)) and not text.endswith(".gguf") and not text.startswith((".", "/", "~"))
 
 
 def _file(path: Path) -> ModelRef:

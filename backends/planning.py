@@ -13,7 +13,7 @@ from localctx.kvcache import calibration, cost
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware import HardwareProfile
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.planner import BackendView, PlanRequest, budget, plan
+from localctx.kvcache.planner import BackendView, PlanRequest, budget, layout_note, plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
@@ -45,7 +45,8 @@ def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ..
             f"{r} (the {name} backend is not in this build: only full-precision KV is assumed)"
             for r in baseline.refusals(policy)]), note
     backend: Backend = cls()
-    return BackendView(name, lambda policy: backend.refusals(policy, spec)), ()
+    backend.check_model(spec)
+    return BackendView(name, lambda policy: backend.refusals(policy, spec), backend.kv_allocation()), ()
 
 
 def calibration_name(name: str, hw: HardwareProfile) -> str:
@@ -77,19 +78,29 @@ def calibrate_and_save(backend: str, progress=print) -> tuple[calibration.Calibr
     return importlib.import_module(module).calibrate_and_save(progress=progress)
 
 
+def model_refusal(name: str, spec: ModelSpec) -> str | None:
+    """Why backend ``name``'s engine cannot run ``spec``'s architecture (None: it can, or it is not in this build)."""
+    cls = registry.backend_class(name)
+    return cls().capabilities().model_refusal(name, spec) if cls is not None else None
+
+
 def planning_context(backend: str, spec: ModelSpec, hardware: str | None = None,
                      measure: bool = True) -> PlanningContext:
     hw = resolve_hardware(hardware, measure=measure)
     name = choose_backend(backend, hw)
+    fallback = ()
+    if backend == "auto" and name != "llamacpp" and (why := model_refusal(name, spec)):
+        fallback = (f"backend llamacpp, not {name}: {why.split(';')[0]}",)
+        name = "llamacpp"
     view, notes = backend_view(name, spec)
-    return PlanningContext(hw, view, speed_model(name, hw), notes)
+    return PlanningContext(hw, view, speed_model(name, hw), fallback + notes)
 
 
 def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: PlanRequest) -> Plan:
     """A plan for a policy the user chose (``--kv``): refused before loading if it cannot fit."""
     context = req.context or spec.context_length
     b = budget(ctx.hardware, spec, req, ctx.backend)
-    need = cost.max_kv_bytes(spec, policy, context)
+    need = ctx.backend.kv_bytes(spec, policy, context)
     if need > b.kv:
         raise UserError(f"--kv {policy} needs {cost.format_bytes(need)} of KV for {context:,} tokens but only "
                         f"{cost.format_bytes(max(b.kv, 0))} is free for it ({b.describe()}); lower --context, "
@@ -99,7 +110,9 @@ def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: Pla
                 weight_bytes=spec.weight_bytes, decode_tok_s=tok_s,
                 prefill_tok_s=ctx.speed.prefill_tok_s(spec, min(context, 4096)), hardware=ctx.hardware.name,
                 reasons=[f"KV policy {policy} from --kv ({policy.describe()})", b.describe(),
-                         f"decode ≈ {tok_s:.0f} tok/s at {context:,} tokens ({ctx.speed.basis(policy)})"])
+                         f"decode ≈ {tok_s:.0f} tok/s at {context:,} tokens ({ctx.speed.basis(policy)})",
+                         f"KV {cost.format_bytes(need)} at {context:,} tokens" + layout_note(spec, policy)]
+                + [f"assumed: {a}" for a in spec.assumptions])
 
 
 def make_auto_plan(ctx: PlanningContext, spec: ModelSpec, req: PlanRequest) -> Plan:

@@ -1,18 +1,54 @@
 """The cost model: the KV-byte and roofline arithmetic that the planner and every UI share.
 
-A cache's reported bytes must equal ``kv_bytes`` for the same policy and token count."""
+A cache's reported bytes must equal ``kv_bytes`` for the same policy and token count. Bytes are
+counted layer by layer (kvcache/spec.py ``LayerAttention``): full layers hold every kept token,
+sliding layers at most their window, layers without attention nothing; K and V have their own
+head dims. A mixture of experts reads its dense weights plus the active experts per decoded token
+(``ModelSpec.decode_weight_bytes``)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 from localctx.kvcache.eviction import held_counts
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.spec import SLIDING, LayerAttention, ModelSpec
 
 SCALE_BYTES = 2  # each quantization group stores a scale and a min, fp16 each
 
 
+def layer_policy(policy: KVPolicy, layer: LayerAttention) -> KVPolicy | None:
+    """The policy one layer's cache runs: None for a layer that holds no KV; on a sliding layer the
+    model's own window, unless the policy keeps fewer tokens (a policy window applies on top only
+    where it is smaller: then the policy's sinks + window govern that layer too)."""
+    if not layer.holds_kv:
+        return None
+    if layer.kind != SLIDING:
+        return policy
+    kept = policy.capacity()
+    if kept is not None and kept <= layer.window:
+        return policy
+    return replace(policy, sinks=0, heavy=0, window=layer.window)
+
+
+def layer_full_bytes(layer: LayerAttention, elem_bytes: int) -> int:
+    """Bytes one full-precision token takes in ``layer`` (K and V, each with its own head dim)."""
+    return (layer.k_width + layer.v_width) * elem_bytes
+
+
+def layer_quant_bytes(layer: LayerAttention, bits: int, group_size: int) -> int:
+    """Packed payload plus the fp16 scale+min of each group, amortised over the group's tokens.
+
+    Keys are grouped per channel over ``group_size`` tokens (one scale+min per channel per
+    group) and values per token over ``group_size`` channels (one scale+min per token per
+    channel group); either way ``group_size`` elements carry one scale and one min. Exact for
+    head dims that are a multiple of the group size (the cache refuses the others)."""
+    elems = layer.k_width + layer.v_width
+    return elems * bits // 8 + (elems // group_size) * 2 * SCALE_BYTES
+
+
 def kv_elements_per_token(spec: ModelSpec) -> int:
-    """K and V elements one token adds across all layers."""
-    return 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim
+    """K and V elements one token adds across all layers that hold KV (before any window)."""
+    return sum((layer.k_width + layer.v_width) * count for layer, count in spec.layer_groups())
 
 
 def full_bytes_per_token(spec: ModelSpec, elem_bytes: int | None = None) -> int:
@@ -20,18 +56,11 @@ def full_bytes_per_token(spec: ModelSpec, elem_bytes: int | None = None) -> int:
 
 
 def quant_bytes_per_token(spec: ModelSpec, bits: int, group_size: int) -> int:
-    """Packed payload plus the fp16 scale+min of each group, amortised over the group's tokens.
-
-    Keys are grouped per channel over ``group_size`` tokens (one scale+min per channel per
-    group) and values per token over ``group_size`` channels (one scale+min per token per
-    channel group); either way ``group_size`` elements carry one scale and one min. Exact for
-    head dims that are a multiple of the group size (the cache refuses the others)."""
-    elems = kv_elements_per_token(spec)
-    return elems * bits // 8 + (elems // group_size) * 2 * SCALE_BYTES
+    return sum(layer_quant_bytes(layer, bits, group_size) * count for layer, count in spec.layer_groups())
 
 
 def kv_bytes_per_token(spec: ModelSpec, policy: KVPolicy) -> int:
-    """Steady-state bytes per cached token (quantized tokens; the residual is a fixed extra)."""
+    """Steady-state bytes per cached token in every layer (quantized tokens; the residual is a fixed extra)."""
     if policy.quantized:
         return quant_bytes_per_token(spec, policy.bits, policy.group_size)
     return full_bytes_per_token(spec)
@@ -57,21 +86,43 @@ def held_tokens(policy: KVPolicy, n_tokens: int) -> int:
 
 
 def kv_bytes(spec: ModelSpec, policy: KVPolicy, n_tokens: int) -> int:
-    """Exact KV bytes after ``n_tokens`` tokens have streamed through a cache with ``policy``:
-    quantized tokens at ``quant_bytes_per_token`` (payload + group scales/mins), the rest at the
-    model's full precision. Bookkeeping (positions, attention mass) is not KV and not counted."""
-    quantized, full = split_tokens(policy, n_tokens)
-    q_bytes = quant_bytes_per_token(spec, policy.bits, policy.group_size) * quantized if quantized else 0
-    return q_bytes + full_bytes_per_token(spec) * full
+    """Exact KV bytes after ``n_tokens`` tokens have streamed through a cache with ``policy``, layer by
+    layer (``layer_policy``): quantized tokens at ``layer_quant_bytes`` (payload + group scales/mins),
+    the rest at the model's full precision; a sliding layer holds at most its window, a layer
+    without attention nothing. Bookkeeping (positions, attention mass) is not KV and not counted."""
+    total = 0
+    for layer, count in spec.layer_groups():
+        lp = layer_policy(policy, layer)
+        if lp is None:
+            continue
+        quantized, full = split_tokens(lp, n_tokens)
+        q_bytes = layer_quant_bytes(layer, lp.bits, lp.group_size) * quantized if quantized else 0
+        total += count * (q_bytes + layer_full_bytes(layer, spec.kv_elem_bytes) * full)
+    return total
+
+
+def full_precision_equivalent(spec: ModelSpec, policy: KVPolicy, n_tokens: int) -> int:
+    """What the tokens each layer keeps would take at full precision (the speed model's floor)."""
+    total = 0
+    for layer, count in spec.layer_groups():
+        lp = layer_policy(policy, layer)
+        if lp is not None:
+            total += count * lp.kept_tokens(max(0, n_tokens)) * layer_full_bytes(layer, spec.kv_elem_bytes)
+    return total
 
 
 def paged_kv_bytes(spec: ModelSpec, policy: KVPolicy, n_tokens: int, block_size: int) -> int:
     """Bytes of the whole blocks a paged full-precision cache holds after ``n_tokens`` tokens:
-    ``kv_bytes`` rounded up to the block (what the pool has reserved, not only what is filled)."""
+    each layer's kept tokens rounded up to the block (what the pool has reserved, not only what is filled)."""
     if policy.quantized:
         raise ValueError("paged_kv_bytes covers full-precision blocks; quantized blocks are sized by kv_bytes")
-    kept = policy.kept_tokens(max(0, n_tokens))
-    return -(-kept // block_size) * block_size * full_bytes_per_token(spec)
+    total = 0
+    for layer, count in spec.layer_groups():
+        lp = layer_policy(policy, layer)
+        if lp is not None:
+            kept = lp.kept_tokens(max(0, n_tokens))
+            total += count * -(-kept // block_size) * block_size * layer_full_bytes(layer, spec.kv_elem_bytes)
+    return total
 
 
 def max_kv_bytes(spec: ModelSpec, policy: KVPolicy, context: int) -> int:
@@ -95,9 +146,17 @@ def decode_tok_s_roofline(bandwidth_bytes_s: float, weight_bytes: int, kv_read_b
 
 
 def prefill_flops(spec: ModelSpec, n_tokens: int) -> float:
-    """≈ 2·params·n for the matmuls plus the n² attention term (QKᵀ and PV)."""
-    attn = 2 * 2 * spec.n_layers * spec.n_heads * spec.head_dim * n_tokens * n_tokens / 2
-    return 2.0 * spec.n_params * n_tokens + attn
+    """≈ 2·(active params)·n for the matmuls plus the attention term (QKᵀ and PV): n²/2 query-key
+    pairs on a full layer, n·w − w²/2 on a layer sliding over w tokens, none where there is no attention."""
+    n = n_tokens
+    pairs = 0.0
+    for layer, count in spec.layer_groups():
+        if not layer.holds_kv:
+            continue
+        w = min(n, layer.window) if layer.kind == SLIDING else n
+        pairs += count * (n * w - w * w / 2)
+    attn = 2 * 2 * spec.n_heads * spec.head_dim * pairs
+    return 2.0 * spec.active_params * n + attn
 
 
 def format_bytes(n: float) -> str:

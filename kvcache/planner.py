@@ -47,9 +47,18 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class BackendView:
-    """What the planner needs from a backend, without importing one (kvcache must not)."""
+    """What the planner needs from a backend, without importing one (kvcache must not). ``allocated``
+    is the backend's own KV allocation for (spec, policy, context) where it differs from the cost
+    model's peak (llama.cpp pads cells and sizes sliding layers its own way); None: the cost model's."""
     name: str
     refusals: Callable[[KVPolicy], list[str]]
+    allocated: Callable[[ModelSpec, KVPolicy, int], int] | None = None
+
+    def kv_bytes(self, spec: ModelSpec, policy: KVPolicy, context: int) -> int:
+        """Peak KV bytes of ``policy`` over ``context`` tokens, as this backend holds them."""
+        if self.allocated is not None:
+            return self.allocated(spec, policy, context)
+        return cost.max_kv_bytes(spec, policy, context)
 
 
 class NoPlanFits(UserError):
@@ -157,7 +166,7 @@ class _Search:
                                 f"{self.spec.name} was trained on (positions beyond it degrade); a window keeps "
                                 "cache positions inside it")
             return False
-        need = cost.max_kv_bytes(self.spec, policy, self.context)
+        need = self.backend.kv_bytes(self.spec, policy, self.context)
         if need > self.budget.kv:
             self.reject(policy, f"KV for {self.context:,} tokens is {format_bytes(need)}, over the "
                                 f"{format_bytes(max(self.budget.kv, 0))} budget")
@@ -189,11 +198,11 @@ class _Search:
         lo, hi = 0, max(1, self.context)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if cost.max_kv_bytes(self.spec, replace(template, window=mid), self.context) <= self.budget.kv:
+            if self.backend.kv_bytes(self.spec, replace(template, window=mid), self.context) <= self.budget.kv:
                 lo = mid
             else:
                 hi = mid
-        if cost.max_kv_bytes(self.spec, replace(template, window=hi), self.context) <= self.budget.kv:
+        if self.backend.kv_bytes(self.spec, replace(template, window=hi), self.context) <= self.budget.kv:
             return hi
         return lo
 
@@ -268,11 +277,34 @@ def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
     reasons.append(f"decode ≈ {tok_s:.0f} tok/s at {ctx:,} tokens ({s.speed.basis(policy)})")
     if s.req.min_tok_s:
         reasons.append(f"speed target {s.req.min_tok_s:g} tok/s met" + _target_cost(s, policy))
-    kv = cost.max_kv_bytes(spec, policy, ctx)
-    reasons.append(f"KV {format_bytes(kv)} peak of the {format_bytes(max(s.budget.kv, 0))} budget")
+    kv = s.backend.kv_bytes(spec, policy, ctx)
+    reasons.append(f"KV {format_bytes(kv)} peak of the {format_bytes(max(s.budget.kv, 0))} budget"
+                   + layout_note(spec, policy))
+    reasons.extend(f"assumed: {a}" for a in spec.assumptions)
     return Plan(backend=s.backend.name, policy=policy, context=ctx, kv_bytes=kv, weight_bytes=spec.weight_bytes,
                 decode_tok_s=tok_s, prefill_tok_s=s.speed.prefill_tok_s(spec, min(ctx, 4096)),
                 hardware=s.hw.name, reasons=reasons, rejected=s.rejected)
+
+
+def layout_note(spec: ModelSpec, policy: KVPolicy) -> str:
+    """Where the model's own attention shapes the KV: sliding layers capped at their window, layers
+    without attention, experts read per token."""
+    layers = spec.attention()
+    sliding = [layer for layer in layers if layer.kind == "sliding"]
+    none = sum(1 for layer in layers if not layer.holds_kv)
+    notes = []
+    if sliding:
+        windows = sorted({layer.window for layer in sliding})
+        capped = sum(1 for layer in sliding if cost.layer_policy(policy, layer).window == layer.window)
+        notes.append(f"{len(sliding)} of {len(layers)} layers slide over {', '.join(f'{w:,}' for w in windows)} "
+                     f"tokens and hold at most that ({capped} capped by their own window, "
+                     f"{len(sliding) - capped} by the policy's)")
+    if none:
+        notes.append(f"{none} layers hold no KV (recurrent or linear attention)")
+    if spec.moe:
+        notes.append(f"a decoded token reads {format_bytes(spec.decode_weight_bytes)} of weights "
+                     f"({spec.moe.n_active} of {spec.moe.n_experts} experts)")
+    return "; " + "; ".join(notes) if notes else ""
 
 
 def _target_cost(s: _Search, policy: KVPolicy) -> str:
@@ -304,10 +336,15 @@ class Projection:
     fits: bool
 
 
-def projections(p: Plan, spec: ModelSpec, speed: SpeedModel, contexts: list[int], kv_budget: int) -> list[Projection]:
-    """KV memory and decode speed of the chosen policy at each context length."""
-    return [Projection(c, cost.max_kv_bytes(spec, p.policy, c), speed.worst_decode_tok_s(spec, p.policy, c),
-                       cost.max_kv_bytes(spec, p.policy, c) <= kv_budget) for c in contexts]
+def projections(p: Plan, spec: ModelSpec, speed: SpeedModel, contexts: list[int], kv_budget: int,
+                backend: BackendView | None = None) -> list[Projection]:
+    """KV memory (as ``backend`` allocates it) and decode speed of the chosen policy at each context length."""
+    view = backend or BackendView(p.backend, lambda policy: [])
+    out = []
+    for c in contexts:
+        kv = view.kv_bytes(spec, p.policy, c)
+        out.append(Projection(c, kv, speed.worst_decode_tok_s(spec, p.policy, c), kv <= kv_budget))
+    return out
 
 
 def projection_contexts(spec: ModelSpec, requested: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Projected decode and prefill speed: the bandwidth roofline, corrected by a backend's calibration.
 
-Uncalibrated, a decode step reads the weights and the KV once at the machine's bandwidth, and
+Uncalibrated, a decode step reads the weights (a mixture of experts: its dense weights and the
+active experts, ``ModelSpec.decode_weight_bytes``) and the KV once at the machine's bandwidth, and
 quantized KV is assumed to cost what fp16 KV costs (no speed-up is assumed from fewer bytes:
 dequantisation is work, and on some machines it is the larger cost). Calibrated, each format has
 its own measured cost per KV byte, and the step's fixed part is the calibration model's measured
@@ -40,12 +41,13 @@ class SpeedModel:
         if fc is not None:
             cal = self.calibration
             step = fc.step_s(kv)
-            if spec.weight_bytes != cal.weight_bytes:  # another model: move by its extra weight reads
-                fixed = max(fc.base_s + (spec.weight_bytes - cal.weight_bytes) / bw, spec.weight_bytes / bw / 4)
+            read = spec.decode_weight_bytes
+            if read != cal.weight_bytes:  # another model: move by its extra weight reads
+                fixed = max(fc.base_s + (read - cal.weight_bytes) / bw, read / bw / 4)
                 step += fixed - fc.base_s
             return step
-        fp16_equivalent = cost.full_bytes_per_token(spec) * policy.kept_tokens(kv_tokens)
-        return (spec.weight_bytes + max(kv, fp16_equivalent)) / bw
+        fp16_equivalent = cost.full_precision_equivalent(spec, policy, kv_tokens)
+        return (spec.decode_weight_bytes + max(kv, fp16_equivalent)) / bw
 
     def decode_tok_s(self, spec: ModelSpec, policy: KVPolicy, kv_tokens: int) -> float:
         return 1.0 / self.step_seconds(spec, policy, kv_tokens)

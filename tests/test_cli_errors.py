@@ -62,9 +62,22 @@ def test_folder_without_config_json(cli, tmp_path):
     _one_line_error(cli("run", "-m", str(tmp_path), "hi"), "no config.json")
 
 
-def test_unsupported_architecture_in_gguf(cli, tmp_path):
-    path = _tiny_gguf(tmp_path / "gpt2.gguf")
-    _one_line_error(cli("run", "-m", str(path), "hi"), "unsupported architecture 'gpt2'")
+def test_gguf_llama_cpp_cannot_load_says_why(cli, tmp_path):
+    path = _tiny_gguf(tmp_path / "gpt2.gguf")  # no tokenizer, no attention tensors
+    _one_line_error(cli("run", "-m", str(path), "hi"), "llama.cpp cannot load gpt2.gguf (", "update it")
+
+
+def test_architecture_llama_cpp_does_not_know(cli, tmp_path):
+    path = _tiny_gguf(tmp_path / "mystery.gguf", arch="mystery")
+    _one_line_error(cli("run", "-m", str(path), "hi"), "llama.cpp cannot load", "unknown model architecture")
+
+
+def test_torch_refuses_an_architecture_its_graph_lacks(cli, tmp_path):
+    from gguf_tiny import ARCHS, write
+
+    path = write(tmp_path / "gemma2.gguf", ARCHS["gemma2"])
+    _one_line_error(cli("run", "-m", str(path), "--backend", "torch", "hi"),
+                    "the torch backend implements", "'gemma2'", "--backend llamacpp")
 
 
 def test_unsupported_architecture_in_hf_folder(cli, tmp_path):

@@ -10,7 +10,9 @@ import time
 from localctx.app.bench.measure import MeasureRequest, Sample
 from localctx.app.bench.memory import PeakTracker
 from localctx.app.bench.prompt import fit_text
+from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.policy import KVPolicy
 
 
 def baseline_settings(threads: int) -> dict:
@@ -22,10 +24,6 @@ def llama_cpp_version() -> str:
     import llama_cpp
 
     return str(getattr(llama_cpp, "__version__", "unknown"))
-
-
-def _f16_row_bytes(width: int) -> int:
-    return 2 * width  # llama.cpp's default f16 K and V rows: 2 bytes per element, no block scales
 
 
 def measure_baseline(req: MeasureRequest, tracker: PeakTracker) -> Sample:
@@ -65,11 +63,10 @@ def measure_baseline(req: MeasureRequest, tracker: PeakTracker) -> Sample:
         decode_steps = generated - 1  # the first token comes out of prefill (as in the shared loop)
         decode_s = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
         n_tokens = int(llm.n_tokens)
-        width = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim
         return Sample(prompt_tokens=len(ids), generated_tokens=generated,
                       prefill_tok_s=len(ids) / (stamps[0] - start) if stamps else 0.0,
                       decode_tok_s=decode_steps / decode_s if decode_s > 0 else 0.0,
-                      kv_bytes=n_tokens * _f16_row_bytes(width), kv_tokens=n_tokens,
+                      kv_bytes=cost.kv_bytes(spec, KVPolicy(bits=16), n_tokens), kv_tokens=n_tokens,
                       peak_rss_bytes=peak.rss_bytes, peak_scope=peak.scope, load_s=load_s, finish_reason=finish)
     finally:
         llm.close()

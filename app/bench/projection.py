@@ -54,7 +54,8 @@ class Projector:
         kv_read = cost.kv_bytes(self.spec, policy, context)  # what attention reads per step at this context
         return Projection(
             kv_bytes=cost.kv_bytes(self.spec, policy, stream_tokens),
-            roofline_decode_tok_s=cost.decode_tok_s_roofline(self.bandwidth_bytes_s, self.spec.weight_bytes, kv_read),
+            roofline_decode_tok_s=cost.decode_tok_s_roofline(self.bandwidth_bytes_s, self.spec.decode_weight_bytes,
+                                                             kv_read),
             planner_decode_tok_s=speed.worst_decode_tok_s(self.spec, policy, context),
             planner_basis=speed.basis(policy))
 
@@ -65,7 +66,7 @@ class Projector:
             ctx = self.contexts[name]
             for context in (c for c in contexts if c <= self.spec.context_length):
                 req = PlanRequest(context=context)
-                fp16_fits = cost.max_kv_bytes(self.spec, FP16, context) <= budget(ctx.hardware, self.spec, req,
+                fp16_fits = ctx.backend.kv_bytes(self.spec, FP16, context) <= budget(ctx.hardware, self.spec, req,
                                                                                   ctx.backend).kv
                 try:
                     policy = str(make_auto_plan(ctx, self.spec, req).policy)

@@ -1,14 +1,17 @@
-"""``localctx models``: the models available locally, with size, architecture and trained context."""
+"""``localctx models``: the models available locally, with size, architecture, trained context, attention
+layout (e.g. "5 local : 1 global, window 512") and the backends that can run each."""
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
 
+from localctx.backends import registry
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import ModelRef, bundled_default_path, hub_cache_dir, resolve
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.spec import ModelSpec, describe_layout
 
 
 def register(sub) -> None:
@@ -56,13 +59,27 @@ def _size(ref: ModelRef) -> int:
     return ref.path.stat().st_size
 
 
+def runnable_on(ref: ModelRef, spec: ModelSpec) -> list[str]:
+    """The backends in this build whose engine runs this model's architecture and file kind."""
+    out = []
+    for name in registry.USER_FACING:
+        cls = registry.backend_class(name)
+        if cls is None or (name == "llamacpp" and ref.kind != "gguf"):
+            continue
+        if cls().capabilities().model_refusal(name, spec) is None:
+            out.append(name)
+    return out
+
+
 def describe(ref: ModelRef) -> dict:
     row = {"name": ref.name, "path": str(ref.path), "source": ref.source, "size_bytes": _size(ref)}
     try:
         spec = read_spec(ref)
-        row.update(architecture=spec.architecture, context_length=spec.context_length, layers=spec.n_layers)
+        row.update(architecture=spec.architecture, context_length=spec.context_length, layers=spec.n_layers,
+                   attention=describe_layout(spec), backends=runnable_on(ref, spec),
+                   assumptions=list(spec.assumptions))
     except UserError as exc:
-        row.update(architecture="?", context_length=None, error=str(exc))
+        row.update(architecture="?", context_length=None, attention="?", backends=[], error=str(exc))
     return row
 
 
@@ -74,8 +91,10 @@ def handle(args: argparse.Namespace) -> int:
     if not rows:
         print("no local models; `localctx pull REPO` fetches one")
         return 0
-    print(f"{'NAME':44} {'SIZE':>10} {'ARCH':8} {'CONTEXT':>8}  SOURCE")
+    print(f"{'NAME':40} {'SIZE':>10} {'ARCH':9} {'CONTEXT':>8}  {'ATTENTION':34} {'BACKENDS':20} SOURCE")
     for r in rows:
         ctx = f"{r['context_length']:,}" if r.get("context_length") else "?"
-        print(f"{r['name'][:44]:44} {format_bytes(r['size_bytes']):>10} {r['architecture']:8} {ctx:>8}  {r['source']}")
+        backends = ",".join(r["backends"]) or "-"
+        print(f"{r['name'][:40]:40} {format_bytes(r['size_bytes']):>10} {r['architecture']:9} {ctx:>8}  "
+              f"{r['attention'][:34]:34} {backends:20} {r['source']}")
     return 0

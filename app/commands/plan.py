@@ -9,12 +9,14 @@ import sys
 
 from localctx.app.session_options import SessionRequest, add_session_options, make_plan, resolve_model
 from localctx.backends.hardware import profile_names, resolve_hardware
+from localctx.backends.model_spec import hub_config_spec
+from localctx.backends.modelref import is_repo_id
 from localctx.backends.planning import calibrate_and_save, choose_backend, planning_context
 from localctx.kvcache import known_models
 from localctx.kvcache.cost import format_bytes, full_bytes_per_token
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.planner import NoPlanFits, budget, projection_contexts, projections
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.spec import ModelSpec, describe_layout
 
 
 def register(sub) -> None:
@@ -34,14 +36,17 @@ def register(sub) -> None:
 
 
 def model_spec(req: SessionRequest) -> tuple[ModelSpec, str]:
-    """A local model's spec, else a known shape from assets/models.json."""
+    """A local model's spec (a GGUF's header, a folder's config.json), else a known shape from
+    assets/models.json, else a hub repo's config.json alone (fetched when online): no weights needed."""
     try:
         return resolve_model(req)[1], "model file"
     except UserError as exc:
         spec = known_spec_or_none(req.model)
-        if spec is None:
-            raise UserError(f"{exc}; or plan a known shape: {', '.join(known_models.names())}") from None
-        return spec, "assets/models.json (no weights needed)"
+        if spec is not None:
+            return spec, "assets/models.json (no weights needed)"
+        if req.model and is_repo_id(req.model):
+            return hub_config_spec(req.model), f"config.json of {req.model} (no weights needed)"
+        raise UserError(f"{exc}; or plan a known shape: {', '.join(known_models.names())}") from None
 
 
 def known_spec_or_none(name: str | None) -> ModelSpec | None:
@@ -63,7 +68,7 @@ def handle(args: argparse.Namespace) -> int:
         plan = make_plan(req, spec, ctx)
     except NoPlanFits as exc:
         return _refused(args, spec, ctx, exc)
-    rows = projections(plan, spec, ctx.speed, projection_contexts(spec, plan.context), b.kv)
+    rows = projections(plan, spec, ctx.speed, projection_contexts(spec, plan.context), b.kv, ctx.backend)
     if args.json:
         print(json.dumps({"model": spec.to_dict(), "model_source": source, "hardware": ctx.hardware.to_dict(),
                           "plan": plan.to_dict(), "budget_kv_bytes": b.kv,
@@ -85,7 +90,10 @@ def _calibrate(args: argparse.Namespace) -> None:
 def _print_plan(spec, source, ctx, plan, rows) -> None:
     print(f"model     {spec.name}: {spec.n_layers} layers, {spec.n_kv_heads} KV heads × {spec.head_dim}, trained "
           f"{spec.context_length:,} tokens, weights {format_bytes(spec.weight_bytes)}, "
-          f"KV {format_bytes(full_bytes_per_token(spec))}/token at fp16  [{source}]")
+          f"KV {format_bytes(full_bytes_per_token(spec))}/token at fp16 before windows  [{source}]")
+    print(f"attention {describe_layout(spec)}")
+    for assumption in spec.assumptions:
+        print(f"assumed   {assumption}")
     print(f"hardware  {ctx.hardware.describe()}")
     print(f"backend   {plan.backend}")
     print(f"policy    {plan.policy}  ({plan.policy.describe()})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from localctx.backends.base import Backend, Capabilities
-from localctx.backends.model_spec import read_spec
+from localctx.backends.model_spec import NATIVE_GRAPH, read_spec, require_safetensors
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -27,7 +27,7 @@ class MLXBackend(Backend):
         kernels = ("Metal kernels (fused quantized decode attention, quantise-and-append) where Metal exists; "
                    "the pure-MLX reference kernels elsewhere")
         return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32, 64}), residual=True,
-                            sinks_window=True, heavy=True, batch=False,
+                            sinks_window=True, heavy=True, batch=False, native_graphs=NATIVE_GRAPH,
                             notes=(kernels, "one sequence at a time: generate_batch runs prompts in turn",
                                    "keys cached before RoPE, rotated at their in-cache positions"))
 
@@ -46,7 +46,10 @@ class MLXBackend(Backend):
         options = self._options or SessionOptions()
         if model.kind not in ("gguf", "hf"):
             raise UserError(f"--backend mlx runs GGUF files and safetensors folders, not {model.kind!r} models")
+        if model.kind == "hf":
+            require_safetensors(model.path)
         spec = read_spec(model)
+        self.check_model(spec)
         refusals = self.refusals(plan.policy, spec)
         if refusals:
             raise UserError(f"backend mlx cannot run KV policy {plan.policy}: {'; '.join(refusals)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from localctx.backends.base import Backend, Capabilities
+from localctx.backends.model_spec import NATIVE_GRAPH, require_safetensors
 from localctx.backends.modelref import ModelRef
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
@@ -35,12 +36,15 @@ class TorchBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(kv_bits=frozenset({16, 8, 4}), residual=True, sinks_window=True, heavy=True, batch=True,
+                            native_graphs=NATIVE_GRAPH,
                             notes=("full-precision paged KV, or the policy cache (quantized, sinks + window, "
                                    "heavy hitters); the model's own graph in torch",))
 
     def load(self, model: ModelRef, plan: Plan) -> TorchSession:
         from localctx.backends.torch.loading import build_session, load_model
 
+        if model.kind == "hf":
+            require_safetensors(model.path)
         refusals = self.refusals(plan.policy)
         if refusals:
             raise UserError(f"the torch backend cannot run KV policy {plan.policy}: {'; '.join(refusals)}")

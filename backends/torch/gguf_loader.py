@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from localctx.backends.model_spec import LLAMA_FAMILY, gguf_field, read_gguf
+from localctx.backends.model_spec import NATIVE_GRAPH, gguf_field, read_gguf
 from localctx.backends.torch.config import LlamaConfig
 from localctx.backends.torch.rope import RopeScaling
 from localctx.kvcache.errors import UserError
@@ -28,9 +28,9 @@ def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def read_config(reader, path: Path) -> LlamaConfig:
     arch = gguf_field(reader, "general.architecture")
-    if arch not in LLAMA_FAMILY:
+    if arch not in NATIVE_GRAPH:
         raise UserError(f"unsupported architecture {arch!r} in {path.name}; the torch backend runs the Llama "
-                        f"family ({', '.join(sorted(LLAMA_FAMILY))})")
+                        f"family ({', '.join(sorted(NATIVE_GRAPH))}); run it with --backend llamacpp")
 
     def meta(key: str, default=None):
         return gguf_field(reader, f"{arch}.{key}", default)

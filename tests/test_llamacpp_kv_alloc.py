@@ -1,0 +1,57 @@
+"""Our count of llama.cpp's KV allocation equals llama.cpp's own report, per architecture, at three
+context lengths: tiny random-weight GGUFs (llama, qwen2, qwen3, gemma3, gemma2 with alternating
+windows, qwen3moe), loaded by llama.cpp in a child process with its log on."""
+import pytest
+from gguf_tiny import ARCHS, write
+
+pytest.importorskip("llama_cpp")
+
+from localctx.backends.llamacpp_alloc import LlamaCppCache, row_bytes  # noqa: E402
+from localctx.backends.llamacpp_report import MiB, reported_caches  # noqa: E402
+from localctx.backends.model_spec import gguf_spec  # noqa: E402
+
+CONTEXTS = (1000, 4096, 20000)  # 1000 pads to 1,024 cells; 20,000 is past the tiny models' trained 8,192
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kv-ggufs")
+    return {name: write(folder / f"{name}.gguf", cfg) for name, cfg in ARCHS.items()}
+
+
+def assert_matches(spec, settings: LlamaCppCache, reported) -> None:
+    ours = settings.caches(spec)
+    assert [(c.cells, c.layers) for c in ours] == [(r.cells, r.layers) for r in reported], (settings, reported)
+    half = 0.005 + 1e-9  # llama.cpp prints MiB with two decimals
+    for c, r in zip(ours, reported):
+        assert abs(c.k_bytes / MiB - r.k_mib) <= half and abs(c.v_bytes / MiB - r.v_mib) <= half, (c, r)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_kv_bytes_equal_llama_cpp_allocation_at_three_contexts(ggufs, arch):
+    spec = gguf_spec(ggufs[arch])
+    settings = [LlamaCppCache(n_ctx=c, swa_full=False) for c in CONTEXTS]
+    for s, reported in zip(settings, reported_caches(ggufs[arch], settings)):
+        assert_matches(spec, s, reported)
+
+
+def test_sliding_layers_compact_unless_full_size_and_quantized_rows(ggufs):
+    spec = gguf_spec(ggufs["gemma3"])
+    settings = [LlamaCppCache(n_ctx=20000, swa_full=True),
+                LlamaCppCache(n_ctx=20000, type_k="q8_0", type_v="q8_0", flash_attn=True, swa_full=False),
+                LlamaCppCache(n_ctx=300, swa_full=False)]
+    reported = reported_caches(ggufs["gemma3"], settings)
+    for s, r in zip(settings, reported):
+        assert_matches(spec, s, r)
+    full, compact = settings[0].caches(spec), settings[1].caches(spec)
+    assert full[1].cells == 20224 and compact[1].cells == 1024  # 512-token window + 512 ubatch, padded to 256
+    assert settings[2].caches(spec)[1].cells == 512  # the SWA cache never exceeds the context
+
+
+def test_row_sizes_match_ggml():
+    from localctx.backends.llamacpp import ggml_row_size
+    import llama_cpp
+
+    for name in ("f16", "q8_0", "q4_0"):
+        for n in (32, 64, 256, 1024):
+            assert row_bytes(name, n) == ggml_row_size(getattr(llama_cpp, f"GGML_TYPE_{name.upper()}"), n)
