@@ -183,8 +183,6 @@ async def _next(inbox: asyncio.Queue, request: Request, job: ServeJob):
             if await request.is_disconnected():
                 job.cancel.set()
                 raise ConnectionResetError("the client disconnected") from None
-            if job.started_at is None:
-                continue
 
 
 def _sse_line(payload: dict | str) -> str:

@@ -25,6 +25,7 @@ class SequentialStreams:
     def __init__(self, session: Session):
         self.session = session
         self.current: OneStream | None = None
+        self.widest = 1
 
     @property
     def batching(self) -> bool:

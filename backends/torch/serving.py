@@ -61,6 +61,7 @@ class SlotBatcher:
         session.reset()  # the session's own conversation would hold blocks the slots need
         self.slots = [Slot(FIRST_SLOT_ID + i) for i in range(n_slots)]
         self.live: list[LiveStream] = []
+        self.widest = 0  # most streams decoded in one step so far
         self._lock = session._lock  # the session's own generate/generate_batch must not run meanwhile
 
     @property
@@ -95,14 +96,15 @@ class SlotBatcher:
 
     # -- admission -------------------------------------------------------------------------
     def _choose_slot(self, ids: list[int]) -> tuple[Slot, int] | None:
-        """The idle slot whose conversation this prompt extends (or shares at least half of);
+        """The idle slot whose conversation this prompt continues (it shares at least half of what
+        the slot holds: a re-tokenized answer may differ from the sampled tokens near its end);
         else an empty slot; else the least recently used one."""
         idle = [s for s in self.slots if not s.busy]
         if not idle:
             return None
         best = max(idle, key=lambda s: common_prefix(s.history, ids))
         shared = common_prefix(best.history, ids)
-        if shared and (shared == len(best.history) or 2 * shared >= len(ids)):
+        if shared and 2 * shared >= len(best.history):
             return best, shared
         empty = [s for s in idle if not s.history]
         slot = empty[0] if empty else min(idle, key=lambda s: s.last_used)
@@ -194,6 +196,7 @@ class SlotBatcher:
         if not self.live:
             return []
         live = list(self.live)
+        self.widest = max(self.widest, len(live))
         with self._lock:
             try:
                 logits = self.engine.decode([s.slot.seq_id for s in live], [s.pending for s in live])
