@@ -167,3 +167,32 @@ def test_a_public_address_without_a_key_is_refused_before_loading(capsys):
     assert cli.main(["serve", "--backend", "fake", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--api-key" in err and "0.0.0.0" in err
+
+
+def test_sixteen_concurrent_clients_all_get_their_own_answer():
+    """The bounded load test's shape (benchmarks/serve_load.py measures it on a real model):
+    16 clients × 2 requests against one slot and a queue of 32 — no errors, no mixed-up answers."""
+    with serve_in_thread(fake_session(delay=0.002), "fake", limits=Limits(max_queue=32)) as (url, scheduler):
+        c = client(url)
+        answers, errors = {}, []
+        barrier = threading.Barrier(16)
+
+        def run(k: int) -> None:
+            barrier.wait()
+            for r in range(2):
+                words = f"client {k} request {r} asks"
+                try:
+                    stream = c.chat.completions.create(model="fake", messages=[{"role": "user", "content": words}],
+                                                       max_tokens=6, temperature=0, stream=True)
+                    answers[(k, r)] = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+                except openai.OpenAIError as exc:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and len(answers) == 32 and scheduler.served == 32
+        for (k, r), text in answers.items():
+            assert text == f"Reply: client {k} request {r} asks "

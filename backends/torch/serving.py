@@ -62,6 +62,8 @@ class SlotBatcher:
         self.slots = [Slot(FIRST_SLOT_ID + i) for i in range(n_slots)]
         self.live: list[LiveStream] = []
         self.widest = 0  # most streams decoded in one step so far
+        self._waiting_prompt: Prompt | None = None
+        self._waiting_ids: list[int] = []
         self._lock = session._lock  # the session's own generate/generate_batch must not run meanwhile
 
     @property
@@ -112,7 +114,9 @@ class SlotBatcher:
 
     def start(self, prompt: Prompt, params: GenerationParams,
               cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent] | None:
-        ids = self.session.tokenize(prompt)
+        if self._waiting_prompt is not prompt:  # a request that waits is asked again every step
+            self._waiting_prompt, self._waiting_ids = prompt, self.session.tokenize(prompt)
+        ids = self._waiting_ids
         params = self.session.capped(len(ids), params)  # UserError when the prompt cannot fit
         worst = self._held_blocks(len(ids) + params.max_tokens)
         if worst > self.pool.n_blocks:
