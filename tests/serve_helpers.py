@@ -16,7 +16,7 @@ from localctx.app.serve.http import ServeState, build_app
 from localctx.app.serve.scheduler import Limits, Scheduler
 from localctx.app.serve.streams import make_streams
 
-START_TIMEOUT_S = 60
+START_TIMEOUT_S = 240  # loading and planning take a minute on a busy 2-core machine
 
 
 @contextlib.contextmanager

@@ -94,7 +94,13 @@ def test_against_llama_cpp_python_server_the_kv_policy_is_the_servers(smollm2_pa
         assert any("the KV policy is the server's" in r for r in session.plan.reasons)
         events = list(session.generate([{"role": "user", "content": "Name a colour."}],
                                        GenerationParams(max_tokens=8, temperature=0.0)))
-        assert "".join(e.text for e in events).strip() and events[-1].stats.prompt_tokens > 0
+        assert "".join(e.text for e in events).strip() and events[-1].finish_reason == "length"
+        assert events[-1].stats.generated_tokens == 8  # counted from the stream (this server sends no usage there)
+        batch = [(i, e) for i, e in session.generate_batch(
+            [[{"role": "user", "content": "Name a colour."}], "The sky is"], GenerationParams(max_tokens=4))]
+        done = {i: e for i, e in batch if e.kind == "done"}
+        assert sorted(done) == [0, 1] and all(e.stats.prompt_tokens > 0 and e.stats.generated_tokens == 4
+                                              for e in done.values())
         planned = cli("plan", "--backend", "openai", "--endpoint", url, "--json")
         assert planned.code == 0
         described = json.loads(planned.out)
