@@ -99,6 +99,8 @@ class Scheduler:
         for job in list(self._live.values()):
             job.cancel.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.streams.close()  # the thread that owned the model is done with it
 
     # -- the thread ------------------------------------------------------------------------
     def _loop(self) -> None:

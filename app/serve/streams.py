@@ -2,9 +2,10 @@
 
 ``start(prompt, params, cancel)`` prefills a request and returns (stream, first event), or None
 when it has to wait; ``step()`` advances every live stream by one token and returns their events.
-Torch sessions batch (``backends.torch.serving.SlotBatcher``: continuous batching, per-slot
-KV reuse); every other backend runs one stream at a time through ``Session.generate``, whose
-own cache keeps the last conversation (a follow-up turn prefills only its new tokens)."""
+Torch and llama.cpp sessions batch (``backends.torch.serving.SlotBatcher``,
+``backends.llamacpp_serving.LlamaSlots``: continuous batching, per-slot KV reuse); other
+backends run one stream at a time through ``Session.generate``, whose own cache keeps the last
+conversation (a follow-up turn prefills only its new tokens)."""
 from __future__ import annotations
 
 import threading
@@ -78,9 +79,19 @@ class SequentialStreams:
     def cancel_all(self) -> None:
         self._end()
 
+    def close(self) -> None:
+        self._end()
+
 
 def make_streams(session: Session, parallel: int):
-    """Continuous batching where the backend supports it here (torch), else one at a time."""
+    """Continuous batching where the backend supports it (torch; llama.cpp unless the policy
+    evicts through its context shift), else one at a time."""
+    if parallel > 1 and session.backend_name == "llamacpp" and not session.plan.policy.evicts:
+        from localctx.backends.llamacpp import LlamaCppSession
+        from localctx.backends.llamacpp_serving import LlamaSlots
+
+        if isinstance(session, LlamaCppSession):
+            return LlamaSlots(session, parallel)
     if parallel > 1 and session.backend_name == "torch":  # torch is imported only when it is the backend
         from localctx.backends.torch.serving import SlotBatcher
         from localctx.backends.torch.session import TorchSession

@@ -14,27 +14,19 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+from localctx.backends.slots import Slot, choose_slot
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
 from localctx.backends.streaming import KVProbe, stream
 from localctx.backends.torch.sampling import Sampler
-from localctx.backends.torch.session import common_prefix
 from localctx.kvcache.errors import UserError
 
 if TYPE_CHECKING:
     from localctx.backends.torch.session import TorchSession
 
 FIRST_SLOT_ID = 1000  # cache sequence ids of the slots (the session's own conversation is 0)
-
-
-@dataclass
-class Slot:
-    seq_id: int
-    history: list[int] = field(default_factory=list)  # exactly the tokens the slot's cache holds
-    busy: bool = False
-    last_used: float = 0.0
 
 
 @dataclass
@@ -97,21 +89,6 @@ class SlotBatcher:
         return self.cache.kv_bytes()
 
     # -- admission -------------------------------------------------------------------------
-    def _choose_slot(self, ids: list[int]) -> tuple[Slot, int] | None:
-        """The idle slot whose conversation this prompt continues (it shares at least half of what
-        the slot holds: a re-tokenized answer may differ from the sampled tokens near its end);
-        else an empty slot; else the least recently used one."""
-        idle = [s for s in self.slots if not s.busy]
-        if not idle:
-            return None
-        best = max(idle, key=lambda s: common_prefix(s.history, ids))
-        shared = common_prefix(best.history, ids)
-        if shared and 2 * shared >= len(best.history):
-            return best, shared
-        empty = [s for s in idle if not s.history]
-        slot = empty[0] if empty else min(idle, key=lambda s: s.last_used)
-        return slot, common_prefix(slot.history, ids)
-
     def start(self, prompt: Prompt, params: GenerationParams,
               cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent] | None:
         if self._waiting_prompt is not prompt:  # a request that waits is asked again every step
@@ -123,7 +100,7 @@ class SlotBatcher:
             raise UserError(f"the prompt ({len(ids):,} tokens) plus max_tokens ({params.max_tokens:,}) needs more KV "
                             f"than the server's pool of {self.pool.capacity_tokens:,} tokens; lower max_tokens or "
                             f"shorten the prompt")
-        choice = self._choose_slot(ids)
+        choice = choose_slot(self.slots, ids)
         if choice is None:
             return None
         slot, shared = choice
@@ -222,3 +199,6 @@ class SlotBatcher:
     def cancel_all(self) -> None:
         for s in list(self.live):
             self._end(s, failed=True)
+
+    def close(self) -> None:
+        self.cancel_all()
