@@ -47,7 +47,7 @@ class Sample:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "localctx.app.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--backend", args.backend, "--parallel", str(args.parallel), "--queue", str(args.clients * 2)]
+           "--backend", args.backend, "--parallel", str(args.parallel), "--queue", str(max(8, args.clients * 2))]
     if args.model:
         cmd += ["-m", args.model]
     if args.kv:
@@ -128,7 +128,7 @@ def pct(values: list[float], q: float) -> float:
 
 def history(n_tokens_hint: int, seed: int) -> list:
     """About ``n_tokens_hint`` tokens of prior conversation (one word ≈ one to two tokens)."""
-    words = [WORDS[(seed * 13 + k * 5) % len(WORDS)] for k in range(int(n_tokens_hint * 0.75))]
+    words = [WORDS[(seed * 13 + k * 5) % len(WORDS)] for k in range(n_tokens_hint)]  # ≈ one token a word
     text = " ".join(words)
     return [{"role": "user", "content": f"Conversation {seed}. Read this: {text}"},
             {"role": "assistant", "content": "I have read it."}]
@@ -171,8 +171,8 @@ def main() -> int:
     p.add_argument("--kv", default=None)
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--parallel", type=int, default=8)
-    p.add_argument("--streams", type=int, default=8, help="concurrent streams compared with one (default 8)")
-    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams compared with one (default 8; 0 skips)")
+    p.add_argument("--clients", type=int, default=16, help="clients in the load phase (default 16; 0 skips)")
     p.add_argument("--requests", type=int, default=2, help="requests per client in the load phase")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--single-requests", type=int, default=3)
@@ -192,8 +192,8 @@ def main() -> int:
         rss_start = server.memory_info().rss
         single = [ask(client, model, question(1 + i), args.max_tokens) for i in range(args.single_requests)]
         one_tok_s = statistics.median(s.tokens / (s.ended - s.started) for s in single if s.error is None)
-        together = concurrent(client, model, args.streams, 1, args.max_tokens, offset=100)
-        load = concurrent(client, model, args.clients, args.requests, args.max_tokens, offset=200)
+        together = concurrent(client, model, args.streams, 1, args.max_tokens, offset=100) if args.streams else []
+        load = concurrent(client, model, args.clients, args.requests, args.max_tokens, offset=200) if args.clients else []
         rss_end_load = server.memory_info().rss
         follow = follow_up(client, model, args) if args.history else None
         rss_end = server.memory_info().rss
@@ -208,9 +208,11 @@ def main() -> int:
         "max_tokens": args.max_tokens,
         "one_client": {**summary(single), "tok_s_median": round(one_tok_s, 2)},
         "streams": {"n": args.streams, **summary(together),
-                    "vs_one_client": round(aggregate_tok_s(together) / one_tok_s, 2) if one_tok_s else None},
+                    "vs_one_client": round(aggregate_tok_s(together) / one_tok_s, 2) if one_tok_s else None}
+        if together else None,
         "load": {"clients": args.clients, "requests_per_client": args.requests, **summary(load),
-                 "vs_one_client": round(aggregate_tok_s(load) / one_tok_s, 2) if one_tok_s else None},
+                 "vs_one_client": round(aggregate_tok_s(load) / one_tok_s, 2) if one_tok_s else None}
+        if load else None,
         "rss_bytes": {"start": rss_start, "after_load": rss_end_load, "end": rss_end},
         "follow_up": follow,
         "samples": {"one_client": [asdict(s) for s in single], "streams": [asdict(s) for s in together],

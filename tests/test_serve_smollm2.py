@@ -1,6 +1,6 @@
-"""localctx serve on the bundled SmolLM2 (llama.cpp), as a real subprocess of the CLI: greedy
-whole and streamed answers agree, the follow-up turn reuses the cached prefix, a prompt past
-the context is refused with 400, and the plan is on /v1/models."""
+"""localctx serve on the bundled SmolLM2 (llama.cpp, two batched slots), as a real subprocess of
+the CLI: greedy whole and streamed answers agree, the follow-up turn reuses the cached prefix, a
+prompt past a slot's context is refused with 400, and the plan is on /v1/models."""
 from __future__ import annotations
 
 import openai
@@ -14,7 +14,7 @@ QUESTION = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    with serve_subprocess(["--backend", "llamacpp", "--context", "512", "--kv", "int8"]) as (proc, url):
+    with serve_subprocess(["--backend", "llamacpp", "--context", "1024", "--parallel", "2", "--kv", "int8"]) as (proc, url):
         yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
 
 
@@ -46,4 +46,6 @@ def test_a_prompt_past_the_context_is_refused(smollm2_server):
     with pytest.raises(openai.BadRequestError) as bad:
         smollm2_server.chat.completions.create(model="SmolLM2-135M-Instruct",
                                                messages=[{"role": "user", "content": "colour " * 600}])
-    assert bad.value.body["code"] == "context_length_exceeded" and "context holds 512" in bad.value.body["message"]
+    msg = bad.value.body["message"]
+    assert bad.value.body["code"] == "context_length_exceeded" and "context holds 512" in msg  # 1,024 over 2 slots
+    assert "2 slots" in msg

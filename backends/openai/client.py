@@ -69,7 +69,7 @@ class Client:
         except urllib.error.HTTPError as exc:
             raise _http_error(exc, url) from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             raise EndpointDown(f"{url}: {reason}") from None
 
     def get(self, path: str, timeout: float = CONNECT_TIMEOUT_S) -> dict:
