@@ -134,20 +134,22 @@ def test_a_wrong_key_is_401_and_an_oversized_body_413():
 
 def test_a_full_queue_is_503_with_retry_after():
     with serve_in_thread(fake_session(delay=0.05), "fake", limits=Limits(max_queue=1)) as (url, scheduler):
-        busy = [threading.Thread(target=lambda: client(url).chat.completions.create(
-            model="fake", messages=QUESTION, max_tokens=20)) for _ in range(2)]
-        busy[0].start()
-        while scheduler.load()["active"] == 0:
-            time.sleep(0.01)
-        busy[1].start()
+        def long_stream():  # 400 tokens at 0.05 s: busy until closed
+            return client(url).chat.completions.create(model="fake", messages=QUESTION, max_tokens=400, stream=True)
+
+        active = long_stream()  # returns once it has started: the only slot is taken
+        waiting: list = []
+        queued = threading.Thread(target=lambda: waiting.append(long_stream()))
+        queued.start()
         while scheduler.load()["queued"] == 0:
             time.sleep(0.01)
         with pytest.raises(openai.APIStatusError) as full:
             client(url).chat.completions.create(model="fake", messages=QUESTION, max_tokens=2)
         assert full.value.status_code == 503 and full.value.body["code"] == "queue_full"
         assert int(full.value.response.headers["retry-after"]) >= 1
-        for t in busy:
-            t.join(30)
+        active.close()  # the waiting one starts now
+        queued.join(30)
+        waiting[0].close()
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_generation():
