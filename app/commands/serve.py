@@ -26,8 +26,9 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"key clients must send as 'Authorization: Bearer KEY' (default: ${KEY_ENV}, else none)")
     p.add_argument("--parallel", type=int, default=4, metavar="N",
-                   help="conversations decoded together on batching backends (torch); others serve one at a "
-                        "time (default 4)")
+                   help="conversations decoded together (torch: they share the planned KV pool; llama.cpp: "
+                        "each gets context/N tokens; windowed llama.cpp policies and MLX serve one at a time; "
+                        "default 4)")
     p.add_argument("--queue", type=int, default=32, metavar="N",
                    help="requests that may wait; more are answered 503 with Retry-After (default 32)")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
