@@ -150,3 +150,11 @@ def test_summarize_over_two_endpoints_survives_one_killed_mid_job(tmp_path):
         # the fake model repeats the start of its prompt: each summary answers its own document
         assert (out / f"doc{i:02d}.txt.summary.md").read_text().startswith(f'Reply: Summarise the document "doc{i:02d}.txt"')
     assert rerun["counts"]["unchanged"] == 10 and rerun["totals"]["calls"] == 0
+
+
+def test_plan_against_localctx_serve_shows_the_servers_plan_and_what_passes(localctx_server, cli):
+    result = cli("plan", "--backend", "openai", "--endpoint", localctx_server, "--json")
+    described = json.loads(result.out)
+    assert result.code == 0 and described["server_is_localctx"] is True
+    assert described["kv_policy"] == "int8+sink4+win512" and {"kv", "context"} <= set(described["passes"])
+    assert described["plan"]["context"] == 2048
