@@ -21,7 +21,11 @@ from localctx.kvcache.spec import ModelSpec
 def add_session_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--model", default=None,
                         help="GGUF path, HF folder, hub repo id, or omit for the bundled SmolLM2-135M")
-    parser.add_argument("--backend", default="auto", help="llamacpp, torch, mlx or auto (default)")
+    parser.add_argument("--backend", default="auto",
+                        help="llamacpp, torch, mlx, auto (default), or openai (a server: give --endpoint)")
+    parser.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                        help="with --backend openai: an OpenAI-compatible server (repeatable; key from "
+                             "$LOCALCTX_OPENAI_API_KEY)")
     parser.add_argument("--kv", default=None, metavar="POLICY",
                         help="KV policy, e.g. fp16, int8, int4+res128, int4+sink4+win4096 (default: planned)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
@@ -45,18 +49,36 @@ class SessionRequest:
     max_memory: str | None = None
     hardware: str | None = None  # a named profile to plan for (localctx plan --hardware); None = this machine
     heavy: bool = False  # let the planner consider heavy-hitter eviction (localctx plan --heavy)
+    endpoints: tuple[str, ...] = ()  # --backend openai: the servers
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SessionRequest":
         return cls(model=args.model, backend=args.backend, kv=args.kv, context=args.context,
-                   min_tok_s=args.min_tok_s, exact=args.exact, max_memory=args.max_memory)
+                   min_tok_s=args.min_tok_s, exact=args.exact, max_memory=args.max_memory,
+                   endpoints=tuple(args.endpoint))
 
     def plan_request(self) -> PlanRequest:
         return PlanRequest(context=self.context, min_tok_s=self.min_tok_s, exact=self.exact,
                            max_memory=parse_size(self.max_memory) if self.max_memory else None, heavy=self.heavy)
 
 
+def remote_request(req: SessionRequest):
+    from localctx.backends.openai.remote import RemoteRequest
+
+    if req.exact or req.min_tok_s or req.max_memory:
+        raise UserError("--exact, --min-tok-s and --max-memory plan a local model; with --backend openai the "
+                        "server plans (localctx serve) or keeps its own settings")
+    return RemoteRequest(endpoints=req.endpoints, model=req.model, kv=req.kv, context=req.context)
+
+
 def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
+    if req.backend == "openai":
+        from localctx.backends.openai.remote import open_remote, remote_ref_path
+
+        session = open_remote(remote_request(req))
+        return ModelRef("remote", remote_ref_path(session.model), session.model, "endpoint"), session.spec
+    if req.endpoints:
+        raise UserError("--endpoint is for --backend openai; add --backend openai or drop --endpoint")
     ref = resolve(req.model if req.backend != "fake" or req.model else "fake")
     spec = FAKE_SPEC if ref.kind == "fake" else read_spec(ref)
     return ref, spec
@@ -64,7 +86,12 @@ def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
 
 def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None = None) -> Plan:
     """The planner's choice for this model on this machine (or ``req.hardware``), unless ``--kv``
-    names a policy; either way a plan that cannot fit is refused here, before loading."""
+    names a policy; either way a plan that cannot fit is refused here, before loading. With
+    --backend openai the plan is the server's (backends/openai/remote.py)."""
+    if req.backend == "openai":
+        from localctx.backends.openai.remote import open_remote
+
+        return open_remote(remote_request(req)).plan
     if req.context is not None and req.context < 16:
         raise UserError(f"--context {req.context} is too small; give at least 16 tokens")
     if req.kv and (req.exact or req.min_tok_s):
@@ -79,6 +106,10 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
 
 
 def open_session(req: SessionRequest) -> Session:
+    if req.backend == "openai":
+        from localctx.backends.openai.remote import open_remote
+
+        return open_remote(remote_request(req))
     ref, spec = resolve_model(req)
     plan = make_plan(req, spec)
     backend = registry.get(plan.backend)

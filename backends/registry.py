@@ -15,6 +15,7 @@ _BACKENDS = {
     "torch": "localctx.backends.torch.backend:TorchBackend",
     "mlx": "localctx.backends.mlx.backend:MLXBackend",
     "fake": "localctx.backends.fake:FakeBackend",
+    "openai": "localctx.backends.openai.remote:RemoteBackend",
 }
 USER_FACING = ("llamacpp", "torch", "mlx")
 
@@ -26,7 +27,7 @@ def names() -> list[str]:
 def get(name: str) -> Backend:
     target = _BACKENDS.get(name)
     if target is None:
-        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(USER_FACING)} (or auto)")
+        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(USER_FACING)} (or auto, or openai with --endpoint)")
     module_name, _, cls_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -61,6 +61,11 @@ def handle(args: argparse.Namespace) -> int:
     req.hardware, req.heavy = args.hardware, args.heavy
     if args.calibrate:
         _calibrate(args)
+    if req.backend == "openai":  # the server plans, or keeps its own settings
+        from localctx.app.session_options import remote_request
+        from localctx.backends.openai.remote import describe_remote
+
+        return describe_remote(remote_request(req), as_json=args.json)
     spec, source = model_spec(req)
     ctx = planning_context(req.backend, spec, hardware=req.hardware)
     b = budget(ctx.hardware, spec, req.plan_request(), ctx.backend)

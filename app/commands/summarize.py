@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from localctx.app.session_options import SessionRequest, add_session_options, open_session, resolve_model
@@ -74,6 +75,15 @@ def model_id(req: SessionRequest) -> str:
     return f"{ref.name}:{ref.path.name}:{size}"
 
 
+def remote_settings(settings: Settings, session) -> Settings:
+    """With --backend openai, as many chunks are in flight as the endpoints have slots (up to --batch)."""
+    from localctx.backends.openai.remote import RemoteSession
+
+    if not isinstance(session, RemoteSession):
+        return settings
+    return replace(settings, batch_tokens=session.plan.context * max(1, session.total_slots))
+
+
 def handle(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     out_dir = Path(args.out).expanduser()
@@ -87,6 +97,7 @@ def handle(args: argparse.Namespace) -> int:
     events = JsonEvents() if args.json else RichEvents()
     try:
         with open_session(req) as session:
+            config = replace(config, settings=remote_settings(settings, session))
             report = summarize(config, session, events)
     finally:
         events.close()

@@ -21,6 +21,7 @@ class Settings:
     summary_tokens: int = 256  # most tokens per generated summary
     chunk_tokens: int | None = None  # cap on chunk size; None = sized from the context budget
     max_batch: int = 8  # most sequences decoded together
+    batch_tokens: int | None = None  # prompt + answer tokens in flight at once; None = the session's context
 
 
 @dataclass(frozen=True)

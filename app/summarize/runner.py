@@ -93,6 +93,7 @@ class Runner:
     def _pick_batch(self, active: list[Job]) -> list[tuple[Request, int]]:
         """Oldest documents first, as many requests as fit the context budget together."""
         batch, used = [], 0
+        room = self.settings.batch_tokens or self.session.plan.context  # several endpoints hold more
         for job in active:
             for request in job.queue:
                 if request.prompt_tokens is None:
@@ -102,7 +103,7 @@ class Runner:
                 if need > self.session.plan.context:
                     raise RuntimeFailure(f"{job.doc.key}: a {request.step} prompt of {n} tokens does not fit the "
                                          f"context of {self.session.plan.context} (chunking bug)")
-                if batch and (used + need > self.session.plan.context or len(batch) >= self.settings.max_batch):
+                if batch and (used + need > room or len(batch) >= self.settings.max_batch):
                     return batch
                 batch.append((request, n))
                 used += need

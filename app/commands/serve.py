@@ -1,0 +1,123 @@
+"""``localctx serve``: an OpenAI-compatible HTTP server for one local model, with the planner
+behind it."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+
+from localctx.app.session_options import SessionRequest, add_session_options, open_session, resolve_model
+from localctx.kvcache.cost import format_bytes
+from localctx.kvcache.errors import UserError
+
+KEY_ENV = "LOCALCTX_API_KEY"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Serve one model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, "
+                                   "/v1/models, /health). Binds 127.0.0.1 unless --host says otherwise; another "
+                                   "address needs --api-key.")
+    add_session_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port, printed)")
+    p.add_argument("--api-key", default=None,
+                   help=f"key clients must send as 'Authorization: Bearer KEY' (default: ${KEY_ENV}, else none)")
+    p.add_argument("--parallel", type=int, default=4, metavar="N",
+                   help="conversations decoded together (torch: they share the planned KV pool; llama.cpp: "
+                        "each gets context/N tokens; windowed llama.cpp policies and MLX serve one at a time; "
+                        "default 4)")
+    p.add_argument("--queue", type=int, default=32, metavar="N",
+                   help="requests that may wait; more are answered 503 with Retry-After (default 32)")
+    p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                   help="largest request body; larger ones get 413 (default 4 MiB)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="most seconds a request may queue and generate (default 600)")
+    p.set_defaults(handler=handle)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_args(args: argparse.Namespace, api_key: str | None) -> None:
+    if not is_loopback(args.host) and not api_key:
+        raise UserError(f"--host {args.host} would expose the server beyond this machine without a key; "
+                        f"add --api-key KEY (or set ${KEY_ENV}), or bind 127.0.0.1")
+    if args.backend == "openai":
+        raise UserError("localctx serve runs a local model; choose --backend llamacpp, torch or mlx")
+    for name, value, low in (("--parallel", args.parallel, 1), ("--queue", args.queue, 1),
+                             ("--max-body", args.max_body, 1024)):
+        if value < low:
+            raise UserError(f"{name} {value} must be at least {low}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a port; give 0..65535")
+    if args.timeout <= 0:
+        raise UserError(f"--timeout {args.timeout} must be more than 0 seconds")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
+                        "(0 picks a free one)") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def handle(args: argparse.Namespace) -> int:
+    api_key = args.api_key or os.environ.get(KEY_ENV) or None
+    check_args(args, api_key)
+    try:
+        import uvicorn  # noqa: F401
+        import starlette  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"localctx serve needs {exc.name}: pip install starlette uvicorn") from None
+    from localctx.app.serve.http import ServeState, build_app
+    from localctx.app.serve.scheduler import Limits, Scheduler
+    from localctx.app.serve.streams import make_streams
+
+    req = SessionRequest.from_args(args)
+    ref, _spec = resolve_model(req)
+    sock = bind(args.host, args.port)  # before loading: a taken port fails fast
+    session = open_session(req)
+    streams = make_streams(session, args.parallel)
+    scheduler = Scheduler(session, streams, Limits(max_queue=args.queue))
+    state = ServeState(scheduler=scheduler, model_id=ref.name, spec=session.spec, plan=session.plan,
+                       api_key=api_key, max_body_bytes=args.max_body, request_timeout_s=args.timeout)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    plan = session.plan
+    print(f"localctx serve: http://{shown}:{port}/v1  model {ref.name}, backend {plan.backend}, KV {plan.policy} "
+          f"({'exact' if plan.exact else 'lossy'}), context {plan.context:,}, KV up to {format_bytes(plan.kv_bytes)}, "
+          f"{streams.capacity} slot{'s' if streams.capacity > 1 else ''}"
+          f"{' batched' if streams.batching else ''}", flush=True)
+    return run_server(build_app(state), sock, concurrency=2 * (args.queue + streams.capacity) + 8, session=session)
+
+
+def run_server(app, sock: socket.socket, concurrency: int, session) -> int:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                            limit_concurrency=concurrency, access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        session.close()
+        sock.close()
+    print("localctx serve: stopped", file=sys.stderr)
+    return 0

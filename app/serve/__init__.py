@@ -1,0 +1,1 @@
+"""``localctx serve``: an OpenAI-compatible HTTP server with the planner behind it."""

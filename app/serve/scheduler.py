@@ -1,0 +1,204 @@
+"""The scheduler thread: it alone touches the model. Requests wait in a bounded queue (a full
+queue is refused at once, 503); the oldest waiting one starts as soon as the stream source has
+room (a slot, and KV within the plan), and every live stream advances one token per step.
+
+A job talks back through ``emit``: first either a ``Refused`` (nothing was generated: the HTTP
+side answers with that status) or the first GenerationEvent, then events up to "done", or a
+``Failed`` if the backend broke mid-stream. Setting ``job.cancel`` (client gone, deadline
+passed) ends a live stream at its next token and drops a waiting one."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, Session, check_prompt_fits
+from localctx.kvcache.errors import UserError
+
+
+@dataclass(frozen=True)
+class Refused:
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    retry_after: int | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass
+class ServeJob:
+    prompt: Prompt
+    params: GenerationParams
+    emit: Callable[[object], None]
+    context: int | None = None  # the request's own context limit (at most the plan's)
+    timeout_s: float = 600.0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queue: int = 32  # requests waiting beyond the live ones; more are refused with 503
+    queue_timeout_s: float = 120.0  # a request that waited this long is refused with 503
+    retry_after_s: int = 1
+
+
+class Scheduler:
+    def __init__(self, session: Session, streams, limits: Limits = Limits()):
+        self.session = session
+        self.streams = streams
+        self.limits = limits
+        self._waiting: deque[ServeJob] = deque()
+        self._live: dict[int, ServeJob] = {}  # id(stream) -> job
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.served = 0
+        self._thread = threading.Thread(target=self._loop, name="localctx-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- the HTTP side ---------------------------------------------------------------------
+    def submit(self, job: ServeJob) -> bool:
+        """False when the queue is full (the caller answers 503 with Retry-After)."""
+        with self._cond:
+            if self._stopping or len(self._waiting) >= self.limits.max_queue:
+                return False
+            self._waiting.append(job)
+            self._cond.notify()
+            return True
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def load(self) -> dict:
+        with self._cond:
+            queued = len(self._waiting)
+        active = self.streams.active
+        return {"queued": queued, "active": active, "slots": self.streams.capacity,
+                "free": max(0, self.streams.capacity - active - queued), "max_queue": self.limits.max_queue,
+                "served": self.served}
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cond.notify()
+        for job in waiting:
+            job.emit(Refused(503, "the server is shutting down", type="server_error", code="shutting_down"))
+        for job in list(self._live.values()):
+            job.cancel.set()
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.streams.close()  # the thread that owned the model is done with it
+
+    # -- the thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._live:
+                    self._cond.wait(0.5)
+                if self._stopping and not self._live:
+                    return
+            self._admit()
+            self._check_deadlines()
+            if self._live:
+                self._step()
+            else:
+                with self._cond:
+                    if self._waiting:
+                        self._cond.wait(0.05)  # nothing live and nothing could start: do not spin
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                if not self._waiting or self._stopping:
+                    return
+                job = self._waiting[0]
+            now = time.monotonic()
+            if job.cancel.is_set():
+                self._pop(job)
+                continue
+            if now - job.queued_at > self.limits.queue_timeout_s:
+                self._pop(job)
+                job.emit(Refused(503, f"the server was busy for {self.limits.queue_timeout_s:.0f} s; retry later",
+                                 type="server_error", code="queue_timeout", retry_after=self.limits.retry_after_s))
+                continue
+            if self._start(job) == "wait":
+                return
+            self._pop(job)
+
+    def _pop(self, job: ServeJob) -> None:
+        with self._cond:
+            if self._waiting and self._waiting[0] is job:
+                self._waiting.popleft()
+
+    def _start(self, job: ServeJob) -> str:
+        session = self.session
+        try:
+            params = self._fit(job)
+            started = self.streams.start(job.prompt, params, job.cancel)
+        except UserError as exc:
+            job.emit(Refused(400, str(exc), code="context_length_exceeded" if "context" in str(exc) else None,
+                             param="messages"))
+            return "refused"
+        except Exception as exc:  # the backend failed before anything was sent
+            job.emit(Refused(500, f"{session.backend_name} failed: {exc}", type="server_error"))
+            return "refused"
+        if started is None:
+            return "wait"
+        stream, first = started
+        job.started_at = time.monotonic()
+        job.emit(first)
+        if first.kind == "done":
+            self.served += 1
+        else:
+            self._live[id(stream)] = job
+        return "started"
+
+    def _fit(self, job: ServeJob) -> GenerationParams:
+        """Refuse a prompt that does not fit the request's context (never truncate it); cap the
+        answer where that context ends."""
+        if job.context is None:
+            return job.params
+        plan = dataclasses.replace(self.session.plan, context=job.context)
+        n = self.session.count_tokens(job.prompt)
+        check_prompt_fits(n, plan, self.session.spec, job.params.max_tokens)
+        if plan.policy.evicts or job.params.max_tokens <= job.context - n:
+            return job.params
+        return dataclasses.replace(job.params, max_tokens=job.context - n)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for job in self._live.values():
+            if job.started_at is not None and now - job.queued_at > job.timeout_s and not job.cancel.is_set():
+                job.timed_out = True
+                job.cancel.set()
+
+    def _step(self) -> None:
+        try:
+            events: list[tuple[object, GenerationEvent]] = self.streams.step()
+        except Exception as exc:
+            self.streams.cancel_all()
+            for job in self._live.values():
+                job.emit(Failed(f"{self.session.backend_name} failed mid-stream: {exc}"))
+            self._live.clear()
+            return
+        for stream, event in events:
+            job = self._live.get(id(stream))
+            if job is None:
+                continue
+            job.emit(event)
+            if event.kind == "done":
+                del self._live[id(stream)]
+                self.served += 1

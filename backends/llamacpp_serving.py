@@ -1,0 +1,160 @@
+"""Continuous batching for a server on llama.cpp: conversation slots in one multi-sequence context.
+
+The context is opened beside the session's own on the same weights (llamacpp_batch.BatchDecoder)
+with one KV stream per slot (``kv_unified`` off); the plan's context is split between the slots,
+as llama.cpp's own server does, so all slots together hold the plan's KV. Each live stream feeds
+its last token in one shared ``llama_decode`` per step (the weights are read once per step), and
+streams join and leave between steps. A slot keeps its cells after its request: a follow-up
+that extends the conversation removes only the cells past the common prefix
+(``llama_memory_seq_rm``) and prefills the rest. Windowed policies (context shift) are not
+batched here; they are served one stream at a time."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
+from localctx.backends.llamacpp_batch import _CTX_ROUND, BatchDecoder, _Sequence, _sampler
+from localctx.backends.slots import Slot, choose_slot
+from localctx.backends.streaming import KVProbe, stream
+from localctx.kvcache.errors import UserError
+
+
+@dataclass
+class LiveStream:
+    slot: Slot
+    seq: _Sequence
+    events: Iterator[GenerationEvent] | None = None
+
+
+class LlamaSlots:
+    def __init__(self, session, n_slots: int):
+        self.session = session
+        per_slot = session.plan.context // n_slots // _CTX_ROUND * _CTX_ROUND
+        if per_slot < _CTX_ROUND:
+            raise UserError(f"--context {session.plan.context:,} split over --parallel {n_slots} leaves less than "
+                            f"{_CTX_ROUND} tokens a slot; give a larger --context or a smaller --parallel")
+        self.per_slot = per_slot
+        self.decoder = BatchDecoder(session.llm, per_slot * n_slots, n_slots, n_batch=session.llm.n_batch)
+        self.decoder.prefilled = True  # prompts are prefilled here, one at a time as they arrive
+        self.llama_cpp = self.decoder.llama_cpp
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.live: list[LiveStream] = []
+        self.widest = 0
+
+    @property
+    def batching(self) -> bool:
+        return True
+
+    @property
+    def active(self) -> int:
+        return len(self.live)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots)
+
+    def _forget(self, slot: Slot, keep: int = 0) -> None:
+        self.llama_cpp.llama_memory_seq_rm(self.decoder.memory, slot.seq_id, keep, -1)
+        del slot.history[keep:]
+
+    def start(self, prompt: Prompt, params: GenerationParams,
+              cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent] | None:
+        s = self.session
+        ids = s.tokenize(prompt)
+        try:
+            check_prompt_fits(len(ids), dataclasses.replace(s.plan, context=self.per_slot), s.spec, params.max_tokens)
+        except UserError as exc:
+            raise UserError(f"{exc} (each of the server's {len(self.slots)} slots holds {self.per_slot:,} tokens; "
+                            "a server with a smaller --parallel gives each more)") from None
+        if params.max_tokens > self.per_slot - len(ids):
+            params = dataclasses.replace(params, max_tokens=self.per_slot - len(ids))
+        choice = choose_slot(self.slots, ids)
+        if choice is None:
+            return None
+        slot, shared = choice
+        reused = min(shared, len(ids) - 1)  # at least one token is decoded, for the logits
+        self._forget(slot, reused)
+        slot.busy = True
+        seq = _Sequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=_sampler(params), n_past=reused)
+        live = LiveStream(slot, seq)
+        clock = StatsClock(backend="llamacpp", policy=str(s.plan.policy), prompt_tokens=len(ids), cached_tokens=reused)
+
+        def kv() -> tuple[int, int, int]:
+            return seq.n_past * s._bytes_per_token, seq.n_past, 0
+
+        live.events = stream(self._tokens(live), token_bytes=lambda t: s.llm.detokenize([t], special=False),
+                             eos=s._eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)
+        self.live.append(live)
+        try:
+            first = next(live.events)
+        except BaseException:
+            self._end(live, failed=True)
+            raise
+        if first.kind == "done":
+            self._end(live)
+        return live, first
+
+    def _tokens(self, live: LiveStream) -> Iterator[int]:
+        seq, slot, n_batch = live.seq, live.slot, self.decoder.n_batch
+        last = len(seq.prompt) - 1
+        entries = [(seq, tok, pos, pos == last) for pos, tok in enumerate(seq.prompt) if pos >= seq.n_past]
+        for start in range(0, len(entries), n_batch):
+            self.decoder._decode(entries[start:start + n_batch])
+        slot.history.extend(seq.prompt[seq.n_past:])
+        seq.n_past = len(seq.prompt)
+        while seq.pending:
+            yield seq.pending.popleft()  # ``step`` decodes it and samples the next one before asking again
+
+    def step(self) -> list[tuple[LiveStream, GenerationEvent]]:
+        live = [s for s in self.live if s.seq.to_feed is not None]
+        if not live:
+            return []
+        self.widest = max(self.widest, len(live))
+        entries = []
+        for s in live:
+            entries.append((s.seq, s.seq.to_feed, s.seq.n_past, True))
+            s.slot.history.append(s.seq.to_feed)
+            s.seq.n_past += 1
+            s.seq.to_feed = None
+        try:
+            for start in range(0, len(entries), self.decoder.n_batch):
+                self.decoder._decode(entries[start:start + self.decoder.n_batch])
+        except BaseException:
+            for s in live:
+                self._end(s, failed=True)
+            raise
+        out = []
+        for s in live:
+            event = next(s.events)
+            out.append((s, event))
+            if event.kind == "done":
+                self._end(s)
+        return out
+
+    def _end(self, live: LiveStream, failed: bool = False) -> None:
+        if live in self.live:
+            self.live.remove(live)
+        if live.events is not None:
+            live.events.close()
+        seq, slot = live.seq, live.slot
+        seq.to_feed = None
+        seq.pending.clear()
+        if seq.sampler is not None:
+            self.llama_cpp.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        if failed or seq.n_past != len(slot.history):
+            self._forget(slot)  # cells and history out of step: forget the conversation
+
+    def cancel_all(self) -> None:
+        for s in list(self.live):
+            self._end(s, failed=True)
+
+    def close(self) -> None:
+        self.cancel_all()
+        self.decoder.close()

@@ -1,0 +1,1 @@
+"""The ``openai`` backend: run, chat and summarize against OpenAI-compatible servers."""

@@ -1,0 +1,204 @@
+"""Continuous batching for a server: conversation slots on one paged KV pool.
+
+Each slot is a cache sequence that outlives its request: it keeps the tokens it holds
+(``history``), so a follow-up request that extends the same conversation keeps the longest
+common prefix and prefills only the rest. Live streams are decoded together, one forward per
+step for all of them (the weights are read once per step), and join and leave between steps.
+
+Memory never runs out mid-generation: a stream is admitted only while the worst case of every
+live stream (prompt + max answer, capped at what the KV policy ever holds) plus what the idle
+slots hold fits the pool; idle slots' histories are dropped, least recently used first, to make
+room. A request that could never fit is refused (UserError); one that does not fit now waits.
+Each stream runs through the shared ``stream`` loop (stops, limits, UTF-8, cancellation)."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from localctx.backends.slots import Slot, choose_slot
+from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
+from localctx.backends.streaming import KVProbe, stream
+from localctx.backends.torch.sampling import Sampler
+from localctx.kvcache.errors import UserError
+
+if TYPE_CHECKING:
+    from localctx.backends.torch.session import TorchSession
+
+FIRST_SLOT_ID = 1000  # cache sequence ids of the slots (the session's own conversation is 0)
+
+
+@dataclass
+class LiveStream:
+    slot: Slot
+    ids: list[int]
+    reused: int
+    params: GenerationParams
+    worst_blocks: int
+    sampler: Sampler
+    events: Iterator[GenerationEvent] | None = None
+    pending: int = -1  # sampled, not yet decoded into the cache
+
+
+class SlotBatcher:
+    """``start`` a request (prefill + first token) or get None when it must wait; ``step`` decodes
+    every live stream once and returns each one's next event."""
+
+    def __init__(self, session: "TorchSession", n_slots: int):
+        self.session = session
+        self.engine = session.engine
+        self.cache = session.engine.cache
+        self.pool = self.cache.pool
+        session.reset()  # the session's own conversation would hold blocks the slots need
+        self.slots = [Slot(FIRST_SLOT_ID + i) for i in range(n_slots)]
+        self.live: list[LiveStream] = []
+        self.widest = 0  # most streams decoded in one step so far
+        self._waiting_prompt: Prompt | None = None
+        self._waiting_ids: list[int] = []
+        self._lock = session._lock  # the session's own generate/generate_batch must not run meanwhile
+
+    @property
+    def batching(self) -> bool:
+        return True
+
+    @property
+    def active(self) -> int:
+        return len(self.live)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots)
+
+    # -- memory ----------------------------------------------------------------------------
+    def _held_blocks(self, n_tokens: int) -> int:
+        policy = self.session.plan.policy
+        cap = policy.capacity()
+        held = n_tokens if cap is None else min(n_tokens, cap + policy.group_size)
+        return self.pool.blocks_for(held)
+
+    def _slot_blocks(self, slot: Slot) -> int:
+        return len(self.pool.block_table(slot.seq_id)) if self.cache.has(slot.seq_id) else 0
+
+    def _drop(self, slot: Slot) -> None:
+        if self.cache.has(slot.seq_id):
+            self.cache.finish(slot.seq_id)
+        slot.history = []
+
+    def kv_bytes(self) -> int:
+        return self.cache.kv_bytes()
+
+    # -- admission -------------------------------------------------------------------------
+    def start(self, prompt: Prompt, params: GenerationParams,
+              cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent] | None:
+        if self._waiting_prompt is not prompt:  # a request that waits is asked again every step
+            self._waiting_prompt, self._waiting_ids = prompt, self.session.tokenize(prompt)
+        ids = self._waiting_ids
+        params = self.session.capped(len(ids), params)  # UserError when the prompt cannot fit
+        worst = self._held_blocks(len(ids) + params.max_tokens)
+        if worst > self.pool.n_blocks:
+            raise UserError(f"the prompt ({len(ids):,} tokens) plus max_tokens ({params.max_tokens:,}) needs more KV "
+                            f"than the server's pool of {self.pool.capacity_tokens:,} tokens; lower max_tokens or "
+                            f"shorten the prompt")
+        choice = choose_slot(self.slots, ids)
+        if choice is None:
+            return None
+        slot, shared = choice
+        committed = sum(s.worst_blocks for s in self.live)
+        idle = sorted((s for s in self.slots if not s.busy and s is not slot), key=lambda s: s.last_used)
+        held_idle = sum(self._slot_blocks(s) for s in idle)
+        while committed + held_idle + worst > self.pool.n_blocks and idle:
+            victim = idle.pop(0)  # least recently used conversation goes first
+            held_idle -= self._slot_blocks(victim)
+            self._drop(victim)
+        if committed + held_idle + worst > self.pool.n_blocks:
+            return None  # waits until a live stream finishes
+        with self._lock:
+            return self._begin(slot, shared, ids, params, worst, cancel)
+
+    def _begin(self, slot: Slot, shared: int, ids: list[int], params: GenerationParams, worst: int,
+               cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent]:
+        cache = self.cache
+        if not cache.has(slot.seq_id):
+            cache.add_sequence(slot.seq_id)
+            slot.history = []
+        reused = min(shared, len(ids) - 1)  # at least one token is prefilled, for the logits
+        if not cache.can_truncate(slot.seq_id, reused):
+            reused = 0  # a quantized or evicted prefix cannot be cut back: prefill again
+        cache.truncate(slot.seq_id, reused)
+        del slot.history[reused:]
+        slot.busy = True
+        live = LiveStream(slot, ids, reused, params, worst, Sampler(params))
+        clock = StatsClock(backend="torch", policy=str(self.session.plan.policy), prompt_tokens=len(ids),
+                           cached_tokens=reused)
+        tok = self.session.tokenizer
+        live.events = stream(self._tokens(live), token_bytes=tok.token_bytes, eos=tok.eos_ids, params=params,
+                             clock=clock, probe=self._probe(slot.seq_id), cancel=cancel)
+        self.live.append(live)
+        try:
+            first = next(live.events)
+        except BaseException:
+            self._end(live, failed=True)
+            raise
+        if first.kind == "done":
+            self._end(live)
+        return live, first
+
+    def _probe(self, seq_id: int) -> KVProbe:
+        cache = self.cache
+
+        def read() -> tuple[int, int, int]:
+            if not cache.has(seq_id):
+                return 0, 0, 0
+            held = cache.kv_tokens(seq_id)
+            return cache.kv_bytes(seq_id), held, cache.length(seq_id) - held
+        return KVProbe(read)
+
+    def _tokens(self, live: LiveStream) -> Iterator[int]:
+        logits = self.engine.prefill(live.slot.seq_id, live.ids[live.reused:])
+        live.slot.history.extend(live.ids[live.reused:])
+        live.pending = live.sampler.sample(logits)
+        while True:
+            yield live.pending  # ``step`` feeds it and samples the next one before asking again
+
+    def _end(self, live: LiveStream, failed: bool = False) -> None:
+        if live in self.live:
+            self.live.remove(live)
+        if live.events is not None:
+            live.events.close()
+        slot = live.slot
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        if failed or not self.cache.has(slot.seq_id) or self.cache.length(slot.seq_id) != len(slot.history):
+            self._drop(slot)  # cache and history out of step: forget the conversation
+
+    # -- decoding --------------------------------------------------------------------------
+    def step(self) -> list[tuple[LiveStream, GenerationEvent]]:
+        if not self.live:
+            return []
+        live = list(self.live)
+        self.widest = max(self.widest, len(live))
+        with self._lock:
+            try:
+                logits = self.engine.decode([s.slot.seq_id for s in live], [s.pending for s in live])
+            except BaseException:
+                for s in live:
+                    self._end(s, failed=True)
+                raise
+            for s, row in zip(live, logits):
+                s.slot.history.append(s.pending)
+                s.pending = s.sampler.sample(row)
+        out = []
+        for s in live:
+            event = next(s.events)
+            out.append((s, event))
+            if event.kind == "done":
+                self._end(s)
+        return out
+
+    def cancel_all(self) -> None:
+        for s in list(self.live):
+            self._end(s, failed=True)
+
+    def close(self) -> None:
+        self.cancel_all()

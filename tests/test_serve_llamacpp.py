@@ -1,0 +1,64 @@
+"""Continuous batching on llama.cpp for the server (backends/llamacpp_serving.py) on the bundled
+SmolLM2: streams decoded together start as one at a time does, a follow-up turn keeps its slot's
+cells, and the plan's context is split between the slots."""
+from __future__ import annotations
+
+import pytest
+
+from localctx.app.session_options import SessionRequest, open_session
+from localctx.backends.base import GenerationParams
+from localctx.backends.llamacpp_serving import LlamaSlots
+from localctx.kvcache.errors import UserError
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[{"role": "user", "content": q}] for q in
+           ("What is the capital of France?", "Count: one, two,", "Name a fruit.")]
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=1024))
+    yield s
+    s.close()
+
+
+def drain(slots: LlamaSlots, started) -> dict:
+    out = {id(s): ([e.token] if e.kind == "token" else [], e if e.kind == "done" else None) for s, e in started}
+    while slots.active:
+        for s, e in slots.step():
+            if e.kind == "token":
+                out[id(s)][0].append(e.token)
+            else:
+                out[id(s)] = (out[id(s)][0], e)
+    return out
+
+
+def test_streams_decoded_together_start_as_one_at_a_time_and_keep_their_slots(session):
+    params = GenerationParams(max_tokens=8)
+    alone = []
+    for p in PROMPTS:
+        session.reset()
+        alone.append([e.token for e in session.generate(p, params) if e.kind == "token"])
+    slots = LlamaSlots(session, n_slots=4)
+    try:
+        assert slots.per_slot == 256
+        started = [slots.start(p, params, None) for p in PROMPTS]
+        out = drain(slots, started)
+        assert slots.widest == 3
+        for (stream, _), reference in zip(started, alone):
+            tokens, done = out[id(stream)]
+            assert done.finish_reason in ("stop", "length") and tokens
+            assert tokens[0] == reference[0]  # the first token comes from the same prompt logits
+            assert done.stats.kv_tokens == len(stream.slot.history)
+        first = started[0][0]
+        answer = "".join(session.llm.detokenize([t], special=False).decode("utf-8", "replace")
+                         for t in out[id(first)][0])
+        follow = PROMPTS[0] + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And Spain?"}]
+        stream, event = slots.start(follow, params, None)
+        assert stream.slot is first.slot
+        tokens, done = drain(slots, [(stream, event)])[id(stream)]
+        assert done.stats.cached_tokens >= session.count_tokens(PROMPTS[0])
+        with pytest.raises(UserError, match="slots holds 256 tokens"):
+            slots.start([{"role": "user", "content": "word " * 300}], params, None)
+    finally:
+        slots.close()
