@@ -11,7 +11,7 @@ from localctx.kvcache.spec import ModelSpec
 # architectures whose graph is the Llama family's (GQA attention + RoPE + SwiGLU MLP + RMSNorm)
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
 _HF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3"}
+            "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
 
 
 def read_spec(ref: ModelRef) -> ModelSpec:
@@ -46,9 +46,9 @@ def gguf_spec(path: Path, name: str | None = None) -> ModelSpec:
     arch = gguf_field(reader, "general.architecture")
     if not arch:
         raise UserError(f"{path} has no general.architecture in its metadata; it is not a model GGUF")
-    if arch not in LLAMA_FAMILY:
+    if arch not in LLAMA_FAMILY | {"gemma3"}:
         raise UserError(f"unsupported architecture {arch!r} in {path.name}; localctx runs the Llama family "
-                        f"({', '.join(sorted(LLAMA_FAMILY))})")
+                        f"({', '.join(sorted(LLAMA_FAMILY))}) and gemma3")
 
     def need(key: str):
         value = gguf_field(reader, f"{arch}.{key}")
@@ -73,12 +73,16 @@ def gguf_spec(path: Path, name: str | None = None) -> ModelSpec:
         intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length", 0)))
 
 
-def load_hf_config(folder: Path) -> tuple[dict, str]:
-    """config.json and the localctx architecture name it maps to; one-line errors otherwise."""
+def read_config_json(folder: Path) -> dict:
     try:
-        cfg = json.loads((folder / "config.json").read_text())
+        return json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{folder}/config.json cannot be read ({exc}); fix or replace it") from None
+
+
+def load_hf_config(folder: Path) -> tuple[dict, str]:
+    """config.json and the localctx architecture name it maps to; one-line errors otherwise."""
+    cfg = read_config_json(folder)
     archs = cfg.get("architectures") or []
     arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None)
     if arch is None:

@@ -44,7 +44,7 @@ class MLXSession(Session):
         a = loaded.model.args
         shape = CacheShape(a.n_kv_heads, a.head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32,
                            a.traditional_rope)
-        self.cache = ModelCache(plan.policy, a.n_layers, shape, loaded.inv_freq)
+        self.cache = ModelCache(plan.policy, a.n_layers, shape, loaded.inv_freq, loaded.layer_windows)
         self.fed: list[int] = []
         self.last_logits: np.ndarray | None = None
 
