@@ -12,6 +12,20 @@ from localctx.kvcache.errors import UserError
 # used when a model ships no template: ChatML, which most instruct models of this family know
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Gemma's turn format, for a Gemma GGUF that ships no template: no system role (a system message
+# opens the first user turn, as Gemma's own template does), the assistant is "model"
+GEMMA = ("{{ bos_token }}{% set ns = namespace(prefix='') %}{% for message in messages %}"
+         "{% if message['role'] == 'system' %}{% set ns.prefix = message['content'] + '\n\n' %}{% else %}"
+         "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + ns.prefix"
+         " + message['content'] | trim }}{{ '<end_of_turn>\n' }}{% set ns.prefix = '' %}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+# texts of the tokens that end a turn (llama.cpp counts these as end-of-generation too)
+END_OF_TURN = {"<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"}
+
+
+def fallback_template(architecture: str | None) -> str:
+    """The template for a model file that ships none, by its architecture."""
+    return GEMMA if str(architecture).startswith("gemma") else CHATML
 
 
 def _raise(message: str):

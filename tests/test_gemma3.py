@@ -186,3 +186,14 @@ def test_mlx_matches_torch_under_a_windowed_policy(tiny):
     want += [engine.decode([0], [t]).numpy() for t in TOKENS[6:]]
     np.testing.assert_allclose(got, np.concatenate(want), rtol=1e-4, atol=1e-4)
 
+
+
+def test_a_gemma_gguf_without_a_template_gets_gemma_turns():
+    from localctx.backends.chat_template import ChatTemplate, fallback_template
+
+    template = ChatTemplate(fallback_template("gemma3"), bos_token="<bos>")
+    text = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why? "},
+                            {"role": "assistant", "content": "Rayleigh."}, {"role": "user", "content": "More?"}])
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nWhy?<end_of_turn>\n<start_of_turn>model\nRayleigh."
+                    "<end_of_turn>\n<start_of_turn>user\nMore?<end_of_turn>\n<start_of_turn>model\n")
+    assert "<|im_start|>" in fallback_template("llama")

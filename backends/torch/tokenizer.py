@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from localctx.backends.chat_template import END_OF_TURN, fallback_template
 from localctx.backends.model_spec import gguf_field
 from localctx.kvcache.errors import UserError
 
@@ -161,10 +162,12 @@ def from_gguf(reader, name: str) -> TextTokenizer:
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = {int(x) for x in (eos, eot) if x is not None}
+    eos_ids |= {i for i, t in enumerate(types) if t == CONTROL and tokens[i] in END_OF_TURN}
     return TextTokenizer(
         tokenizer=tok, bos_id=int(bos) if bos is not None else None, eos_ids=eos_ids,
         add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=gguf_field(reader, "tokenizer.chat_template")
+        or fallback_template(gguf_field(reader, "general.architecture")),
         bos_text=tokens[int(bos)] if bos is not None else "", eos_text=tokens[int(eos)] if eos is not None else "",
         control_ids={i for i, t in enumerate(types) if t == CONTROL}, byte_level=kind == "gpt2")
 
