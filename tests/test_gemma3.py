@@ -197,3 +197,53 @@ def test_a_gemma_gguf_without_a_template_gets_gemma_turns():
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nWhy?<end_of_turn>\n<start_of_turn>model\nRayleigh."
                     "<end_of_turn>\n<start_of_turn>user\nMore?<end_of_turn>\n<start_of_turn>model\n")
     assert "<|im_start|>" in fallback_template("llama")
+
+
+def _hf_folder(tmp_path, tensors):
+    """The tiny model as a Gemma3ForCausalLM folder: HF names, norms stored as weight (not 1 + weight)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    import gemma3_tiny as g
+    from localctx.backends.torch.gemma3 import _HF_LAYER, _HF_TOP, is_norm
+
+    back = {v: k for k, v in _HF_LAYER.items()}
+    top = {v: k for k, v in _HF_TOP.items()}
+    out = {}
+    for name, value in tensors.items():
+        parts = name.split(".")
+        hf = f"model.layers.{parts[1]}.{back[parts[2]]}.weight" if parts[0] == "blk" else f"{top[parts[0]]}.weight"
+        out[hf] = value - 1.0 if is_norm(name) else value
+    save_file(out, str(tmp_path / "model.safetensors"))
+    config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": g.HIDDEN,
+              "num_hidden_layers": g.N_LAYERS, "num_attention_heads": g.N_HEADS, "num_key_value_heads": g.N_KV,
+              "head_dim": g.HEAD_DIM, "intermediate_size": g.FFN, "vocab_size": g.VOCAB, "rms_norm_eps": g.EPS,
+              "rope_theta": g.GLOBAL_BASE, "rope_local_base_freq": g.LOCAL_BASE, "sliding_window": g.WINDOW,
+              "layer_types": ["full_attention" if w is None else "sliding_attention" for w in layer_windows()],
+              "query_pre_attn_scalar": 12, "max_position_embeddings": 1024, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_hf_folder_loads_into_both_pages(tiny, tmp_path):
+    from localctx.backends.torch import gemma3
+    from localctx.backends.torch.config import BuildOptions
+
+    tensors, _, ref = tiny
+    folder = _hf_folder(tmp_path, tensors)
+    model, spec = gemma3.from_hf(folder, "tiny", BuildOptions(torch.float32, torch.float32, "cpu", "dense"))
+    assert spec.architecture == "gemma3" and model.layer_windows() == layer_windows()
+    engine = _engine(model, "fp16", 16)
+    engine.cache.add_sequence(0)
+    np.testing.assert_allclose(engine.prefill(0, TOKENS, all_logits=True).numpy(), ref, rtol=1e-4, atol=1e-4)
+    mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'mlx[cpu]' on Linux)")
+    from localctx.backends.mlx.cache import CacheShape, ModelCache
+    from localctx.backends.mlx.loading import load_folder
+
+    loaded, _ = load_folder(folder)
+    a = loaded.model.args
+    cache = ModelCache(KVPolicy(), a.n_layers, CacheShape(a.n_kv_heads, a.head_dim, mx.float32, False),
+                       loaded.inv_freq, loaded.layer_windows)
+    got = np.array(loaded.model(mx.array(TOKENS, dtype=mx.int32), cache, last_only=False))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
