@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Why is the sky blue?",
            "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
-TEXTS = PROMPTS + ["Ünïcödé, emojis 🎉 — «quotes», 日本語のテキスト", "two  spaces\n\nnewlines\ttab and   more",
-                   " leading space", "<b>bold</b> <table>", "a" * 40]
+TEXTS = PROMPTS + ["Ünïcödé, emojis 🎉 — «quotes», 日本語のテキスト",
+                   "two  spaces\n\nnewlines\ttab and   more", " leading space", "<b>bold</b> <table>", "a" * 40]
 
 
 @pytest.fixture(scope="module")

@@ -170,15 +170,18 @@ def args_from_gguf(reader, name: str) -> ModelArgs:
             raise UserError(f"{name} lacks {arch}.{key} in its metadata; the file is incomplete")
         return value
 
-    n_layers, hidden, n_heads = int(meta("block_count")), int(meta("embedding_length")), int(meta("attention.head_count"))
+    n_layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
+    n_heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // n_heads))
     scaling = str(meta("rope.scaling.type", "none"))
     if scaling not in ("none", "", "linear"):
-        raise UserError(f"{name} uses RoPE scaling {scaling!r}, which --backend mlx does not run; use --backend llamacpp")
+        raise UserError(f"{name} uses RoPE scaling {scaling!r}, which --backend mlx does not run; "
+                        "use --backend llamacpp")
     softcap = gguf_field(reader, f"{arch}.final_logit_softcapping")
     tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
     return ModelArgs(
-        hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
+        hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
         head_dim=head_dim, intermediate_size=int(meta("feed_forward_length")),
         vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
         layer_windows=pattern_windows(n_layers, gguf_field(reader, f"{arch}.attention.sliding_window")),

@@ -189,7 +189,8 @@ def config_from_gguf(reader, path: Path) -> Gemma3Config:
             raise UserError(f"{path.name} lacks {arch}.{key} in its metadata; the file is incomplete")
         return value
 
-    n_layers, hidden, n_heads = int(need("block_count")), int(need("embedding_length")), int(need("attention.head_count"))
+    n_layers, hidden = int(need("block_count")), int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // n_heads))
     scaling_type = str(meta("rope.scaling.type", "none"))
     if scaling_type == "linear":
