@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from localctx.backends.chat_template import END_OF_TURN, ChatTemplate, fallback_template
 from localctx.backends.llamacpp import quiet_stderr
 from localctx.kvcache.errors import UserError
@@ -42,13 +44,18 @@ def gguf_tokenizer(path: Path, meta: dict) -> Tokenizer:
     eot_id = _meta(meta, "tokenizer.ggml.eot_token_id")
     if eot_id is not None:
         eos.add(int(eot_id))
-    types = meta.get("tokenizer.ggml.token_type") or []
-    eos |= {i for i, t in enumerate(types) if int(t) == 3 and tokens[i] in END_OF_TURN}  # 3: control token
+    types = np.asarray(meta.get("tokenizer.ggml.token_type", []), dtype=np.int64)  # a list, or an mx.array
+    eos |= {int(i) for i in np.flatnonzero(types == 3) if tokens[int(i)] in END_OF_TURN}  # 3: control token
     name = lambda i: tokens[int(i)] if i is not None and int(i) < len(tokens) else ""  # noqa: E731
     source = meta.get("tokenizer.chat_template") or fallback_template(meta.get("general.architecture"))
     template = ChatTemplate(source, bos_token=name(bos_id), eos_token=name(eos_id))
-    return Tokenizer(encode_fn=lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True),
-                     bytes_fn=lambda tok: vocab.detokenize([tok]), template=template, eos=eos)
+    bos_text = name(bos_id)
+
+    def encode(text: str) -> list[int]:  # a template that writes the BOS itself gets no second one
+        bos = add_bos and not (bos_text and text.startswith(bos_text))
+        return vocab.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+
+    return Tokenizer(encode_fn=encode, bytes_fn=lambda tok: vocab.detokenize([tok]), template=template, eos=eos)
 
 
 def _byte_decoder() -> dict[str, int]:
