@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence, Union
 
 from localctx.kvcache.errors import UserError
@@ -200,6 +200,14 @@ class StatsClock:
                                cached_tokens=self.cached_tokens, generated_tokens=self.generated_tokens,
                                prefill_s=self.prefill_s, decode_s=self.decode_s, kv_bytes=kv_bytes,
                                kv_tokens=kv_tokens, evicted_tokens=evicted)
+
+
+def with_template_stops(prompt: Prompt, params: GenerationParams, stops: tuple[str, ...]) -> GenerationParams:
+    """A chat rendered in a format whose answers end at a marker (the base-model transcript's next
+    question) stops there too; a raw prompt keeps only the caller's stops."""
+    if isinstance(prompt, str) or not stops:
+        return params
+    return replace(params, stop=params.stop + tuple(stops))
 
 
 def check_prompt_fits(n_prompt: int, plan: Plan, spec: ModelSpec, max_tokens: int) -> None:

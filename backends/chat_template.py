@@ -12,6 +12,8 @@ from localctx.kvcache.errors import UserError
 # used when a model ships no template: ChatML, which most instruct models of this family know
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# texts of the tokens that end a turn (llama.cpp counts these as end-of-generation too)
+END_OF_TURN = {"<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"}
 
 
 # a GGUF converted without a chat template is taken as a base (completion) model: the conversation
@@ -23,12 +25,17 @@ TRANSCRIPT = ("{% for message in messages %}{% if message['role'] == 'system' %}
 TRANSCRIPT_STOPS = ("\nQuestion:",)
 
 
+def gguf_template_source(source: str | None) -> str:
+    """The template a GGUF's chat is rendered with, on every backend: its own, else the transcript."""
+    return source or TRANSCRIPT
+
+
 def _raise(message: str):
     raise TemplateError(message)
 
 
 class ChatTemplate:
-    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = "", stops: tuple[str, ...] = ()):
+    def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -40,7 +47,8 @@ class ChatTemplate:
                             "or fix the template") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self.stops = stops  # text that ends an answer in this format (the transcript's next question)
+        # text that ends an answer in this format (the transcript's next question)
+        self.stops = TRANSCRIPT_STOPS if self.source == TRANSCRIPT else ()
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         for m in messages:

@@ -12,14 +12,13 @@ import os
 import sys
 import tempfile
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 from localctx.backends import llamacpp_shift
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
-                                    StatsClock, check_prompt_fits)
-from localctx.backends.chat_template import TRANSCRIPT, TRANSCRIPT_STOPS, ChatTemplate
+                                    StatsClock, check_prompt_fits, with_template_stops)
+from localctx.backends.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp_alloc import N_UBATCH, held_bytes, swa_window
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import ModelRef
@@ -139,9 +138,8 @@ class LlamaCppSession(Session):
                             "architecture this llama-cpp-python supports, or update it") from None
         meta = self.llm.metadata
         source = meta.get("tokenizer.chat_template")
-        self.template = ChatTemplate(source or TRANSCRIPT, bos_token=self._piece(self.llm.token_bos()),
-                                     eos_token=self._piece(self.llm.token_eos()),
-                                     stops=() if source else TRANSCRIPT_STOPS)
+        self.template = ChatTemplate(gguf_template_source(source), bos_token=self._piece(self.llm.token_bos()),
+                                     eos_token=self._piece(self.llm.token_eos()))
         self._eog = _EndOfGeneration(self.llm)
         self._shift = llamacpp_shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
@@ -229,8 +227,7 @@ class LlamaCppSession(Session):
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         ids = self.tokenize(prompt)
-        if not isinstance(prompt, str) and self.template.stops:
-            params = replace(params, stop=params.stop + self.template.stops)
+        params = with_template_stops(prompt, params, self.template.stops)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),

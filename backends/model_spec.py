@@ -13,8 +13,8 @@ from localctx.kvcache.spec import MoE, ModelSpec
 # engines implement; llama.cpp runs any architecture it loads
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
 # the architectures whose page the torch and MLX engines have (their Capabilities.native_graphs);
-# a new model page (Gemma 3) joins here when it lands
-NATIVE_GRAPH = frozenset(LLAMA_FAMILY)
+# (backends/torch/gemma3.py, backends/mlx/gemma3.py)
+NATIVE_GRAPH = frozenset(LLAMA_FAMILY | {"gemma3"})
 
 # architectures whose attention the readers know layer by layer (every other one is read as full
 # attention on every layer, and the spec records that as an assumption)
@@ -149,13 +149,16 @@ def _assumptions(arch: str) -> tuple[str, ...]:
     return ()
 
 
-def load_hf_config(folder: Path) -> tuple[dict, str]:
-    """config.json (a multimodal model's ``text_config`` merged over it) and the architecture name
-    it maps to (llama.cpp's name where there is one); one-line errors otherwise."""
+def read_config_json(folder: Path) -> dict:
     try:
-        cfg = json.loads((folder / "config.json").read_text())
+        return json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{folder}/config.json cannot be read ({exc}); fix or replace it") from None
+
+
+def load_hf_config(folder: Path) -> tuple[dict, str]:
+    """config.json and the localctx architecture name it maps to; one-line errors otherwise."""
+    cfg = read_config_json(folder)
     archs = cfg.get("architectures") or []
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}

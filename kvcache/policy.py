@@ -11,6 +11,7 @@ Tokens, joined by ``+``, in any order on input and canonical order on output:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -141,3 +142,16 @@ class KVPolicy:
 
 
 FP16 = KVPolicy()
+
+
+def layer_policy(policy: KVPolicy, model_window: int | None) -> KVPolicy:
+    """The policy one layer of a model runs. A full-attention layer (``model_window`` None) runs
+    ``policy``. A layer that attends only over its own window of the last ``model_window`` tokens
+    (Gemma's local layers) keeps the smaller of the two windows: where the policy's window is
+    smaller, the policy applies there as on any layer (its sinks and heavy hitters too); otherwise
+    the layer keeps exactly the model's window, at the policy's precision, and no sinks or heavy
+    hitters (the model never sees those tokens on that layer)."""
+    if model_window is None or (policy.window is not None and policy.window < model_window):
+        return policy
+    return dataclasses.replace(policy, window=model_window, sinks=0, heavy=0)
+

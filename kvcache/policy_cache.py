@@ -14,7 +14,13 @@ residual are quantized and units outside the window are evicted (heavy hitters k
 accumulated attention mass).
 
 ``kv_bytes`` is what the tensors hold (K/V payload plus fp16 group scales and mins) and equals
-``cost.kv_bytes(spec, policy, n)`` for every sequence of n tokens."""
+``cost.kv_bytes(spec, policy, n)`` for every sequence of n tokens.
+
+A model whose layers slide over windows of their own (Gemma 3: five local layers to one global)
+gives ``layer_windows`` (one entry per layer, None for a full-attention layer) and, where the
+bases differ, one rope per layer. Each such layer runs ``policy.layer_policy(policy, window)``;
+where the model's window is the one kept, keys no query of the step can see are dropped before
+attention and queries are masked to the window (query − key < window in cache positions)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,7 +32,7 @@ from localctx.kvcache import eviction
 from localctx.kvcache.block_pool import BlockPool, PoolExhausted
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.layer_store import LayerStore
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, layer_policy
 from localctx.kvcache.quant_attention import attend_reference
 
 
@@ -57,16 +63,27 @@ def check_policy_fits_shape(policy: KVPolicy, head_dim: int) -> None:
 
 class PolicyKVCache:
     def __init__(self, shape: PolicyCacheShape, policy: KVPolicy, rope, *, attention=attend_reference,
-                 quantize_groups=None):
+                 quantize_groups=None, layer_windows: Sequence[int | None] = ()):
+        """``rope``: the model's Rotary, or a sequence of one per layer; ``layer_windows``: the
+        model's own sliding window per layer (None: full attention), or empty for none."""
         check_policy_fits_shape(policy, shape.head_dim)
         self.shape = shape
         self.policy = policy
-        self.rope = rope
+        self.ropes = list(rope) if isinstance(rope, (list, tuple)) else [rope] * shape.n_layers
+        self.rope = self.ropes[0]
+        self.model_windows = tuple(layer_windows) or (None,) * shape.n_layers
+        if len(self.ropes) != shape.n_layers or len(self.model_windows) != shape.n_layers:
+            raise ValueError(f"{len(self.ropes)} ropes and {len(self.model_windows)} layer windows for "
+                             f"{shape.n_layers} layers")
+        self.layer_policies = [layer_policy(policy, w) for w in self.model_windows]
+        # the layers whose store keeps exactly the model's own window (no sinks, no heavy hitters)
+        self.model_window_kept = [w is not None and p.window == w
+                                  for w, p in zip(self.model_windows, self.layer_policies)]
         self.attention = attention  # same signature as attend_reference (a fused kernel may replace it)
         self.quantize_groups = quantize_groups  # batched group quantizer (kernels_cuda.dispatch); None: per group
-        self.quantizes = eviction.quantizes(policy)
-        self.heavy_units = eviction.heavy_units(policy)
-        self.track_mass = bool(self.heavy_units) and policy.window is not None
+        self.track_mass = [bool(eviction.heavy_units(p)) and p.window is not None for p in self.layer_policies]
+        caps = [p.capacity() for p in self.layer_policies]
+        self.capacity = None if None in caps else max(caps)  # most tokens any layer holds
         self._seqs: dict[int, _Sequence] = {}
         self._step: tuple[int, ...] | None = None
         # One pool's bookkeeping for every sequence: blocks cover the tokens each one *holds*
@@ -77,21 +94,21 @@ class PolicyKVCache:
     # -- sequences ---------------------------------------------------------------------------
     def _new_layers(self) -> list[LayerStore]:
         s = self.shape
-        return [LayerStore(self.policy, s.n_kv_heads, s.head_dim, s.dtype, s.device, self.quantizes,
-                           self.heavy_units, self.quantize_groups) for _ in range(s.n_layers)]
+        return [LayerStore(p, s.n_kv_heads, s.head_dim, s.dtype, s.device, eviction.quantizes(p),
+                           eviction.heavy_units(p), self.quantize_groups) for p in self.layer_policies]
 
     def add_sequence(self, seq_id: int, reserve_tokens: int = 0) -> None:
         """``reserve_tokens``: set aside blocks for that many tokens now (capped at what the policy
         ever holds), as the paged cache does for a batch."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already in the cache")
-        cap = self.policy.capacity()
+        cap = self.capacity
         held_max = reserve_tokens if cap is None else min(reserve_tokens, cap + self.policy.group_size)
         self.pool.admit(seq_id, held_max)
         self._seqs[seq_id] = _Sequence(self._new_layers())
 
     def can_admit(self, n_tokens: int) -> bool:
-        cap = self.policy.capacity()
+        cap = self.capacity
         held = n_tokens if cap is None else min(n_tokens, cap + self.policy.group_size)
         return self.pool.can_fit(self.pool.blocks_for(held))
 
@@ -118,10 +135,11 @@ class PolicyKVCache:
         seq = self._seq(seq_id)
         if n_tokens in (0, seq.n_seen):
             return True
-        layer = seq.layers[0]
-        if not 0 < n_tokens < seq.n_seen or layer.n_tokens != seq.n_seen:
+        if not 0 < n_tokens < seq.n_seen:
             return False
-        return eviction.held_counts(self.policy, n_tokens).quant_groups == layer.n_groups
+        return all(layer.n_tokens == seq.n_seen
+                   and eviction.held_counts(p, n_tokens).quant_groups == layer.n_groups
+                   for layer, p in zip(seq.layers, self.layer_policies))
 
     @torch.inference_mode()  # the stores were written under inference mode: cut them back under it too
     def truncate(self, seq_id: int, n_tokens: int) -> None:
@@ -143,10 +161,11 @@ class PolicyKVCache:
         return sum(layer.nbytes for s in self._ids(seq_id) for layer in self._seqs[s].layers)
 
     def kv_tokens(self, seq_id: int | None = None) -> int:
-        return sum(self._seqs[s].layers[0].n_tokens for s in self._ids(seq_id))
+        """Tokens held by the layer that holds the most (a model's sliding layers hold fewer)."""
+        return sum(self._held(s) for s in self._ids(seq_id))
 
     def evicted_tokens(self, seq_id: int | None = None) -> int:
-        return sum(self._seqs[s].n_seen - self._seqs[s].layers[0].n_tokens for s in self._ids(seq_id))
+        return sum(self._seqs[s].n_seen - self._held(s) for s in self._ids(seq_id))
 
     # -- the forward seam ----------------------------------------------------------------------
     def begin_step(self, seq_ids: Sequence[int], n_new: int | Sequence[int]) -> None:
@@ -154,7 +173,7 @@ class PolicyKVCache:
         if len(counts) != len(seq_ids) or not counts or len(set(counts)) != 1 or counts[0] < 1:
             raise ValueError(f"every sequence in a step must add the same positive number of tokens, got {counts}")
         pool = self.pool
-        need = sum(pool.blocks_for(self._seq(s).layers[0].n_tokens + counts[0]) - len(pool.block_table(s))
+        need = sum(pool.blocks_for(self._held(s) + counts[0]) - len(pool.block_table(s))
                    for s in seq_ids)
         if not pool.can_fit(need):
             raise PoolExhausted(f"the KV pool is full ({pool.n_blocks} blocks of {pool.block_size} tokens, "
@@ -176,8 +195,16 @@ class PolicyKVCache:
             seq = self._seqs[seq_id]
             layer = seq.layers[layer_idx]
             layer.append(k[b], v[b], seq.n_seen)  # attention reads the store in place, new tokens included
+            window = self.model_windows[layer_idx]
+            if self.model_window_kept[layer_idx]:
+                layer.evict(seq.n_seen + 1)  # what even the step's first query cannot see
             full, groups, q_pos = layer.attention_inputs(T)
-            res = self.attention(q[b], q_pos, full, groups, self.rope, want_mass=self.track_mass)
+            rope, mass = self.ropes[layer_idx], self.track_mass[layer_idx]
+            if window is not None and layer.n_tokens > window:  # the window mask can hide a held key
+                res = attend_reference(q[b], q_pos, full, groups, rope, want_mass=mass, window=window,
+                                       sinks=self.layer_policies[layer_idx].sinks)
+            else:
+                res = self.attention(q[b], q_pos, full, groups, rope, want_mass=mass)
             outs.append(res.out)
             layer.add_mass(res.full_mass, res.quant_mass)
             seen = seq.n_seen + T
@@ -199,8 +226,11 @@ class PolicyKVCache:
             raise KeyError(f"sequence {seq_id} is not in the cache")
         return seq
 
+    def _held(self, seq_id: int) -> int:
+        return max(layer.n_tokens for layer in self._seqs[seq_id].layers)
+
     def _sync_pool(self, seq_id: int) -> None:
-        held, have = self._seqs[seq_id].layers[0].n_tokens, self.pool.length(seq_id)
+        held, have = self._held(seq_id), self.pool.length(seq_id)
         if held > have:
             self.pool.grow(seq_id, held - have)
         else:

@@ -82,13 +82,19 @@ def gather_keys_values(full: FullTokens, quant: QuantGroups | None, dtype: torch
 
 
 def attend_reference(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: QuantGroups | None,
-                     rope, *, scale: float | None = None, want_mass: bool = False) -> AttentionResult:
+                     rope, *, scale: float | None = None, want_mass: bool = False, window: int | None = None,
+                     sinks: int = 0) -> AttentionResult:
+    """``window``: a layer that slides over its own window (the model's, not the policy's): a key
+    is visible only when its position is within ``window`` of the query's (query - key < window),
+    or it is one of the first ``sinks`` positions. None: every earlier key is visible."""
     T, Hq, D = q.shape
     k, v, k_pos = gather_keys_values(full, quant, q.dtype)
     Hkv = k.shape[0]
     qr = _rotate(rope, q.transpose(0, 1), q_positions)  # [Hq, T, D]
     kr = _rotate(rope, k, k_pos)  # [Hkv, L, D]
     visible = k_pos[None, :] <= q_positions[:, None]  # [T, L]
+    if window is not None:
+        visible &= (k_pos[None, :] > q_positions[:, None] - window) | (k_pos[None, :] < sinks)
     scale = scale if scale is not None else D ** -0.5
     if not want_mass:
         out = F.scaled_dot_product_attention(qr.unsqueeze(0), kr.unsqueeze(0), v.unsqueeze(0),

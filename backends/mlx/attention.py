@@ -12,10 +12,12 @@ from localctx.kernels_metal.rope import rope_at
 
 
 def chunk_attention(q: mx.array, kv: QuantizedKV, q_positions: mx.array, inv_freq: mx.array,
-                    fmt: QuantFormat, scale: float, traditional: bool) -> tuple[mx.array, mx.array]:
+                    fmt: QuantFormat, scale: float, traditional: bool, window: int | None = None,
+                    sinks: int = 0) -> tuple[mx.array, mx.array]:
     """q (Hq, L, D) already rotated at ``q_positions``. A key is visible to a query when its
-    in-cache position is not later than the query's. Returns (out (Hq, L, D) float32,
-    attention weight each slot received, summed over heads and queries (N,) float32)."""
+    in-cache position is not later than the query's (and, on a layer sliding over its own
+    ``window``, within the window or among the first ``sinks`` positions). Returns (out (Hq, L, D)
+    float32, attention weight each slot received, summed over heads and queries (N,) float32)."""
     n_q_heads, length, d = q.shape
     n_kv = kv.k_full.shape[0]
     keys, values = dense_keys_values(kv, fmt)
@@ -23,6 +25,8 @@ def chunk_attention(q: mx.array, kv: QuantizedKV, q_positions: mx.array, inv_fre
     qg = q.astype(mx.float32).reshape(n_kv, n_q_heads // n_kv, length, d)
     scores = (qg @ keys[:, None].swapaxes(-1, -2)) * scale  # (Hkv, rep, L, N)
     visible = kv.positions[None, :] <= q_positions[:, None]  # (L, N)
+    if window is not None:
+        visible = visible & ((kv.positions[None, :] > q_positions[:, None] - window) | (kv.positions[None, :] < sinks))
     scores = mx.where(visible, scores, -mx.inf)
     weights = mx.softmax(scores, axis=-1, precise=True)
     out = weights @ values[:, None]

@@ -13,6 +13,12 @@ A layer holds a full-precision store and a group-quantized store, both with keys
 RoPE and both in stream order. Attention rotates each key at its position in the cache (its
 rank among the kept tokens) and each query at its own, so sinks stream past the trained
 context (StreamingLLM). The bytes held equal ``kvcache.cost.kv_bytes``.
+
+A model whose layers slide over windows of their own (Gemma 3) gives ``ModelCache`` one window
+per layer (None: full attention) and one RoPE table per layer; such a layer runs
+``kvcache.policy.layer_policy(policy, window)``. Where the model's window is the one kept, the
+keys no query of a step can see are dropped before attention, and queries are masked to the
+window (query − key < window in cache positions) — as the torch policy cache does.
 """
 from dataclasses import dataclass
 
@@ -25,7 +31,7 @@ from localctx.kernels_metal.quant import QuantFormat
 from localctx.kernels_metal.quant_append import QuantStore, quantize_append
 from localctx.kernels_metal.rope import rope_at
 from localctx.kvcache import eviction
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, layer_policy
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,12 @@ class CacheShape:
 
 
 class LayerCache:
-    def __init__(self, policy: KVPolicy, shape: CacheShape, inv_freq: mx.array):
+    def __init__(self, policy: KVPolicy, shape: CacheShape, inv_freq: mx.array, model_window: int | None = None):
+        """``model_window``: the model's own sliding window on this layer (None: full attention);
+        the layer then runs ``layer_policy(policy, model_window)``."""
+        self.model_window = model_window
+        policy = layer_policy(policy, model_window)
+        self.window_kept = model_window is not None and policy.window == model_window
         self.policy = policy
         self.shape = shape
         self.inv_freq = inv_freq
@@ -88,23 +99,27 @@ class LayerCache:
         i sees the cache and the chunk's tokens up to i), then quantizes aged groups and evicts.
         Returns (Hq, L, D) float32."""
         length = q.shape[1]
-        first = self.n_kept
-        q_pos = mx.arange(first, first + length, dtype=mx.int32)
-        q_rot = rope_at(q, q_pos, self.inv_freq, self.shape.traditional_rope)
         self.k_full = mx.concatenate([self.k_full, k.astype(self.shape.full_dtype)], axis=1)
         self.v_full = mx.concatenate([self.v_full, v.astype(self.shape.full_dtype)], axis=1)
         self.f_ids = np.concatenate([self.f_ids, np.arange(self.n_seen, self.n_seen + length)])
         self.f_mass = np.concatenate([self.f_mass, np.zeros(length, dtype=np.float32)])
         self.n_seen += length
+        if self.window_kept:
+            self._evict(self.n_seen - length + 1)  # what even the step's first query cannot see
+        first = self.n_kept - length
+        q_pos = mx.arange(first, first + length, dtype=mx.int32)
+        q_rot = rope_at(q, q_pos, self.inv_freq, self.shape.traditional_rope)
         kv = self._view()
-        if length == 1:
+        masked = self.model_window is not None and self.n_kept > self.model_window  # the mask can hide a key
+        if length == 1 and not masked:
             params = DecodeParams(self.fmt, first, scale, self.shape.traditional_rope)
             out, scores, lse = decode_attention(q_rot[:, 0], kv, self.inv_freq, params)
             out = out[:, None]
             received = mx.sum(mx.exp(scores - lse[:, None]), axis=0) if self.track_mass else None
         else:
+            window = self.model_window if masked else None
             out, received = chunk_attention(q_rot, kv, q_pos, self.inv_freq, self.fmt, scale,
-                                             self.shape.traditional_rope)
+                                            self.shape.traditional_rope, window=window, sinks=self.policy.sinks)
         if self.track_mass:
             got = np.array(received.astype(mx.float32))
             nq = len(self.q_ids)
@@ -113,7 +128,7 @@ class LayerCache:
         if self.quantizes:
             self._quantize_aged()
         if self.policy.evicts:
-            self._evict()
+            self._evict(self.n_seen)
         return out
 
     # -- rolling back to a prefix (a chat turn that rewrites the last answer) ------------
@@ -161,9 +176,10 @@ class LayerCache:
         self._keep_full(np.setdiff1d(np.arange(len(self.f_ids)), take))
 
     # -- eviction (rules 3 and 4) -----------------------------------------------------------
-    def _evict(self) -> None:
+    def _evict(self, n_seen: int) -> None:
+        """Apply the window as it stands after ``n_seen`` tokens of the stream."""
         p, g = self.policy, self.fmt.group_size
-        edge = max(0, self.n_seen - p.sinks) - p.window  # a unit whose newest main index < edge leaves
+        edge = max(0, n_seen - p.sinks) - p.window  # a unit whose newest main index < edge leaves
         out = np.flatnonzero((self.f_ids >= p.sinks) & (self.f_ids - p.sinks < edge))
         if len(out):
             budget = 0 if self.quantizes else self.heavy_units
@@ -199,9 +215,14 @@ def _heaviest(scores: np.ndarray, budget: int) -> np.ndarray:
 class ModelCache:
     """The caches of every layer, and what the UI reads: bytes, tokens held, tokens evicted."""
 
-    def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array):
+    def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array | list[mx.array],
+                 layer_windows: tuple[int | None, ...] = ()):
+        """``inv_freq``: one RoPE table, or one per layer; ``layer_windows``: the model's own
+        sliding window per layer (None: full attention), empty for none."""
         self.policy = policy
-        self.layers = [LayerCache(policy, shape, inv_freq) for _ in range(n_layers)]
+        freqs = inv_freq if isinstance(inv_freq, list) else [inv_freq] * n_layers
+        windows = tuple(layer_windows) or (None,) * n_layers
+        self.layers = [LayerCache(policy, shape, f, w) for f, w in zip(freqs, windows)]
 
     def reset(self) -> None:
         for layer in self.layers:
@@ -213,7 +234,8 @@ class ModelCache:
 
     @property
     def n_kept(self) -> int:
-        return self.layers[0].n_kept
+        """Tokens held by the layer that holds the most (a model's sliding layers hold fewer)."""
+        return max(layer.n_kept for layer in self.layers)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -1,4 +1,5 @@
-"""Weights into the MLX model: GGUF natively (mx.load keeps Q4_0 / Q4_1 / Q8_0 quantized: each
+"""Weights into the MLX model page its architecture names (``MODEL_PAGES``: model.py for the Llama
+family, gemma3.py for Gemma 3). Llama-family GGUFs natively (mx.load keeps Q4_0 / Q4_1 / Q8_0 quantized: each
 linear gets its own group size and bits, nothing is dequantised), Hugging Face folders
 (safetensors) and MLX folders (safetensors already quantized, ``quantization`` in config.json).
 Never pickles."""
@@ -13,6 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from localctx.backends.mlx import gemma3
+from localctx.backends.mlx import model as llama
 from localctx.backends.mlx.model import Model, ModelArgs
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
@@ -28,12 +31,16 @@ _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|scales|biases|bias)$")
 _TOP_NAME = re.compile(r"^(\w+)\.(weight|scales|biases|bias)$")
 # llama.cpp rotates adjacent pairs for these (it permuted Q/K at conversion); Qwen uses halves
 _GGUF_TRADITIONAL = {"llama", "mistral"}
+# the page that builds each architecture (a GGUF's general.architecture, a config.json's model_type)
+MODEL_PAGES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama,
+               "gemma3": gemma3, "gemma3_text": gemma3}
 
 
 @dataclass
 class LoadedModel:
-    model: Model
-    inv_freq: mx.array
+    model: Model | gemma3.Model
+    inv_freq: mx.array | list[mx.array]  # one table, or one per layer (layers with different bases)
+    layer_windows: tuple[int | None, ...] = ()  # the model's own sliding window per layer; empty: none
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,23 @@ def _meta_int(meta: dict, key: str, default=None):
     return value.item() if isinstance(value, mx.array) else value
 
 
+def _page(architecture, source: str):
+    page = MODEL_PAGES.get(str(architecture))
+    if page is None:
+        raise UserError(f"unsupported architecture {architecture!r} in {source}; --backend mlx runs "
+                        f"{', '.join(sorted(MODEL_PAGES))} (use --backend llamacpp for the others)")
+    return page
+
+
 def load_gguf(path: Path, options: LoadOptions = LoadOptions()) -> tuple[LoadedModel, dict]:
+    from localctx.backends.model_spec import gguf_field, read_gguf
+
+    reader = read_gguf(path)
+    if _page(gguf_field(reader, "general.architecture"), path.name) is gemma3:
+        args = gemma3.args_from_gguf(reader, path.name)
+        model = gemma3.build(args, gemma3.gguf_weights(reader), compute_dtype())
+        meta = {key: gguf_field(reader, key) for key in reader.fields if key.startswith(("tokenizer.", "general."))}
+        return LoadedModel(model, args.inv_freqs(), args.layer_windows), meta
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
@@ -150,6 +173,10 @@ def _build(args: ModelArgs, weights: dict, quant: dict, options: LoadOptions) ->
 # -- Hugging Face / MLX folders ------------------------------------------------------------
 def load_folder(folder: Path, options: LoadOptions = LoadOptions()) -> tuple[LoadedModel, dict]:
     cfg = json.loads((folder / "config.json").read_text())
+    if cfg.get("model_type") in ("gemma3", "gemma3_text") or "Gemma3ForCausalLM" in (cfg.get("architectures") or []):
+        args = gemma3.args_from_config(cfg, folder)
+        model = gemma3.build(args, gemma3.folder_weights(folder), compute_dtype())
+        return LoadedModel(model, args.inv_freqs(), args.layer_windows), cfg
     weights = {}
     for file in sorted(folder.glob("*.safetensors")):
         weights.update(mx.load(str(file)))

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
-                                    StatsClock, check_prompt_fits)
+                                    StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.mlx.cache import CacheShape, ModelCache
 from localctx.backends.mlx.loading import LoadedModel, LoadOptions, load_folder, load_gguf
 from localctx.backends.mlx.sampling import Sampler
@@ -44,7 +44,7 @@ class MLXSession(Session):
         a = loaded.model.args
         shape = CacheShape(a.n_kv_heads, a.head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32,
                            a.traditional_rope)
-        self.cache = ModelCache(plan.policy, a.n_layers, shape, loaded.inv_freq)
+        self.cache = ModelCache(plan.policy, a.n_layers, shape, loaded.inv_freq, loaded.layer_windows)
         self.fed: list[int] = []
         self.last_logits: np.ndarray | None = None
 
@@ -99,6 +99,7 @@ class MLXSession(Session):
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         tokens = self.tokenizer.encode(self.render(prompt))
+        params = with_template_stops(prompt, params, self.tokenizer.template.stops)
         check_prompt_fits(len(tokens), self.plan, self.spec, params.max_tokens)
         if not self.plan.policy.evicts:
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.plan.context - len(tokens)))

@@ -6,7 +6,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from localctx.backends.chat_template import ChatTemplate
+import numpy as np
+
+from localctx.backends.chat_template import END_OF_TURN, ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp import quiet_stderr
 from localctx.kvcache.errors import UserError
 
@@ -42,10 +44,18 @@ def gguf_tokenizer(path: Path, meta: dict) -> Tokenizer:
     eot_id = _meta(meta, "tokenizer.ggml.eot_token_id")
     if eot_id is not None:
         eos.add(int(eot_id))
+    types = np.asarray(meta.get("tokenizer.ggml.token_type", []), dtype=np.int64)  # a list, or an mx.array
+    eos |= {int(i) for i in np.flatnonzero(types == 3) if tokens[int(i)] in END_OF_TURN}  # 3: control token
     name = lambda i: tokens[int(i)] if i is not None and int(i) < len(tokens) else ""  # noqa: E731
-    template = ChatTemplate(meta.get("tokenizer.chat_template"), bos_token=name(bos_id), eos_token=name(eos_id))
-    return Tokenizer(encode_fn=lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True),
-                     bytes_fn=lambda tok: vocab.detokenize([tok]), template=template, eos=eos)
+    source = gguf_template_source(meta.get("tokenizer.chat_template"))
+    template = ChatTemplate(source, bos_token=name(bos_id), eos_token=name(eos_id))
+    bos_text = name(bos_id)
+
+    def encode(text: str) -> list[int]:  # a template that writes the BOS itself gets no second one
+        bos = add_bos and not (bos_text and text.startswith(bos_text))
+        return vocab.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+
+    return Tokenizer(encode_fn=encode, bytes_fn=lambda tok: vocab.detokenize([tok]), template=template, eos=eos)
 
 
 def _byte_decoder() -> dict[str, int]:

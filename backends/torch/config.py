@@ -1,7 +1,10 @@
-"""The Llama-family model config the torch model is built from (filled by the GGUF and HF loaders)."""
+"""The Llama-family model config the torch model is built from (filled by the GGUF and HF loaders),
+and the build options every model page takes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from localctx.backends.torch.rope import RopeScaling
 
@@ -35,3 +38,13 @@ class LlamaConfig:
     @property
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How a model page builds its model: weights read in ``load_dtype``, computed in ``dtype`` on
+    ``device``, linear weights ``dense`` or ``int8``."""
+    load_dtype: torch.dtype
+    dtype: torch.dtype
+    device: str
+    weights: str

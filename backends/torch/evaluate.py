@@ -73,7 +73,7 @@ class NeedleResult:
 
 
 class PolicyEvaluator:
-    """Runs the tasks for one loaded model (``model``: the torch LlamaModel; ``tokenizer``: its
+    """Runs the tasks for one loaded model (``model``: a torch model page's model; ``tokenizer``: its
     TextTokenizer)."""
 
     def __init__(self, model, tokenizer):
@@ -83,7 +83,8 @@ class PolicyEvaluator:
     def _cache(self, policy: KVPolicy, capacity: int):
         c = self.model.config
         req = CacheRequest(c.n_layers, c.n_kv_heads, c.head_dim, capacity_tokens=capacity,
-                           dtype=self.model.dtype, device=self.model.device)
+                           dtype=self.model.dtype, device=self.model.device,
+                           layer_windows=self.model.layer_windows())
         cache = make_kv_cache(policy, req, self.model.make_rope())
         cache.add_sequence(0)
         return cache

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from localctx.backends.base import Backend, Capabilities
-from localctx.backends.model_spec import hf_spec
+from localctx.backends.model_spec import gguf_field, read_config_json, read_gguf
 from localctx.backends.modelref import ModelRef
+from localctx.backends.torch import gemma3
+from localctx.backends.torch import model as llama
+from localctx.backends.torch.config import BuildOptions
 from localctx.backends.torch.cpu_kernels import policy_attention as cpu_attention
 from localctx.backends.torch.engine import Engine, EngineOptions
-from localctx.backends.torch.gguf_loader import load_gguf, spec_from
-from localctx.backends.torch.hf_loader import load_hf
 from localctx.backends.torch.linear import WEIGHT_FORMATS
-from localctx.backends.torch.model import LlamaModel
 from localctx.backends.torch.session import TorchSession
 from localctx.backends.torch.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from localctx.kernels_cuda import dispatch
@@ -34,6 +33,18 @@ from localctx.kvcache.spec import ModelSpec
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 ALLOWED = {"cpu": {torch.float32, torch.bfloat16}, "cuda": {torch.float16, torch.bfloat16}}
+# the page that builds each architecture (a GGUF's general.architecture, a config.json's model_type);
+# each page has from_gguf(reader, path, name, build) and from_hf(folder, name, build)
+MODEL_PAGES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama,
+               "gemma3": gemma3, "gemma3_text": gemma3}
+_HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
+
+
+def hf_architecture(cfg: dict) -> str | None:
+    """The page key of a config.json: its model class where we know it, else its model_type."""
+    known = [_HF_CLASSES[a] for a in cfg.get("architectures") or [] if a in _HF_CLASSES]
+    return known[0] if known else cfg.get("model_type")
 
 
 @dataclass(frozen=True)
@@ -90,29 +101,36 @@ class TorchOptions:
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: llama.LlamaModel | gemma3.Gemma3Model
     tokenizer: TextTokenizer
     spec: ModelSpec
+
+
+def model_page(architecture: str | None, source: str):
+    page = MODEL_PAGES.get(str(architecture))
+    if page is None:
+        raise UserError(f"unsupported architecture {architecture!r} in {source}; the torch backend runs "
+                        f"{', '.join(sorted(MODEL_PAGES))} (use --backend llamacpp for the others)")
+    return page
 
 
 def load_model(ref: ModelRef, options: TorchOptions) -> LoadedModel:
     if options.threads:
         torch.set_num_threads(options.threads)
     # int8 weights are quantized from float32; dense ones are converted to their dtype as they load
-    load_dtype = torch.float32 if options.weights == "int8" else options.dtype
+    build = BuildOptions(load_dtype=torch.float32 if options.weights == "int8" else options.dtype,
+                         dtype=options.dtype, device=options.device, weights=options.weights)
     if ref.kind == "gguf":
-        config, tensors, freq_factors, reader = load_gguf(ref.path, load_dtype)
+        reader = read_gguf(ref.path)
+        page = model_page(gguf_field(reader, "general.architecture"), ref.path.name)
+        model, spec = page.from_gguf(reader, ref.path, ref.name, build)
         tokenizer = from_gguf(reader, ref.path.name)
-        spec = spec_from(reader, config, ref.name)
     elif ref.kind == "hf":
-        config, tensors = load_hf(ref.path, load_dtype)
-        freq_factors = None
+        page = model_page(hf_architecture(read_config_json(ref.path)), str(ref.path))
+        model, spec = page.from_hf(ref.path, ref.name, build)
         tokenizer = from_hf_folder(ref.path)
-        spec = hf_spec(ref.path, ref.name)
     else:
         raise UserError(f"the torch backend loads GGUF files and HF folders, not {ref.kind!r} models")
-    model = LlamaModel(config, tensors, dtype=options.dtype, device=options.device, weights=options.weights,
-                       freq_factors=freq_factors)
     return LoadedModel(model, tokenizer, spec)
 
 
@@ -130,7 +148,8 @@ def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> Tor
     if policy.capacity() is not None:  # a windowed cache holds up to its capacity, plus a group and a chunk
         tokens = max(tokens, policy.capacity() + policy.group_size + options.prefill_chunk)
     req = CacheRequest(c.n_layers, c.n_kv_heads, c.head_dim, capacity_tokens=tokens, dtype=options.dtype,
-                       device=options.device, block_size=options.block_size)
+                       device=options.device, block_size=options.block_size,
+                       layer_windows=loaded.model.layer_windows())
     kernels = CacheKernels(paged_attention=dispatch.paged_attention(options.device),
                            policy_attention=_policy_attention(options.device),
                            quantize_groups=dispatch.quantize_groups(options.device)

@@ -8,14 +8,19 @@ so that the cache decides where keys sit (paged blocks, in-cache positions). The
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from localctx.backends.torch.config import LlamaConfig
+from localctx.backends.model_spec import hf_spec
+from localctx.backends.torch.config import BuildOptions, LlamaConfig
+from localctx.backends.torch.gguf_loader import load_gguf, spec_from
+from localctx.backends.torch.hf_loader import load_hf
 from localctx.backends.torch.linear import Linear, make_linear
 from localctx.backends.torch.rope import Rope
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.spec import ModelSpec
 
 
 @dataclass
@@ -80,6 +85,10 @@ class LlamaModel:
         return Rope(c.head_dim, c.rope_base, c.rope_scaling, self.freq_factors, dtype=torch.float32,
                     device=self.device)
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer attends over the whole context (no window of the model's own)."""
+        return ()
+
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads (the embedding table is only indexed)."""
         total = self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
@@ -117,3 +126,17 @@ class LlamaModel:
         if not all_logits:
             x = x[:, -1]
         return self.lm_head(self._norm(x, self.final_norm)).float()
+
+
+# -- loading (backends/torch/loading.py picks this page by architecture) -------------------------
+def from_gguf(reader, path: Path, name: str, build: BuildOptions) -> tuple[LlamaModel, ModelSpec]:
+    config, tensors, freq_factors, reader = load_gguf(path, build.load_dtype, reader)
+    model = LlamaModel(config, tensors, dtype=build.dtype, device=build.device, weights=build.weights,
+                       freq_factors=freq_factors)
+    return model, spec_from(reader, config, name)
+
+
+def from_hf(folder: Path, name: str, build: BuildOptions) -> tuple[LlamaModel, ModelSpec]:
+    config, tensors = load_hf(folder, build.load_dtype)
+    model = LlamaModel(config, tensors, dtype=build.dtype, device=build.device, weights=build.weights)
+    return model, hf_spec(folder, name)

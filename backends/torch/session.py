@@ -9,7 +9,7 @@ import threading
 from typing import Iterator, Sequence
 
 from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session, StatsClock,
-                                    check_prompt_fits)
+                                    check_prompt_fits, with_template_stops)
 from localctx.backends.chat_template import ChatTemplate
 from localctx.backends.streaming import KVProbe, stream
 from localctx.backends.torch.engine import Engine
@@ -85,7 +85,7 @@ class TorchSession(Session):
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         ids = self.tokenize(prompt)
-        params = self.capped(len(ids), params)
+        params = self.capped(len(ids), with_template_stops(prompt, params, self.template.stops))
         cache = self.engine.cache
         if not cache.has(CONVERSATION):
             cache.add_sequence(CONVERSATION)

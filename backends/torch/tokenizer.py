@@ -1,14 +1,16 @@
 """Tokenizers for the torch backend: from an HF ``tokenizer.json``, or rebuilt from GGUF metadata
-as a byte-level BPE with the ``tokenizers`` package, splitting text the way llama.cpp's
-pre-tokenizer for that model does (``tokenizer.ggml.pre``), so the ids match llama.cpp's."""
+with the ``tokenizers`` package so the ids match llama.cpp's: a byte-level BPE (``gpt2``) split
+the way llama.cpp's pre-tokenizer for that model does (``tokenizer.ggml.pre``), or a
+SentencePiece vocabulary (``llama``: Llama 2, Gemma) as the BPE its scores define."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from localctx.backends.chat_template import END_OF_TURN, gguf_template_source
 from localctx.backends.model_spec import gguf_field
 from localctx.kvcache.errors import UserError
 
@@ -26,7 +28,8 @@ PRE_SPLITS = {
 }
 # pre-tokenizers for which llama.cpp looks a whole word up before merging
 IGNORE_MERGES = {"llama-bpe", "llama3", "dbrx", "smaug-bpe"}
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -92,38 +95,80 @@ class TextTokenizer:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def from_gguf(reader, name: str) -> TextTokenizer:
-    kind = gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UserError(f"{name} has a {kind!r} tokenizer; the torch backend rebuilds byte-level BPE ('gpt2') "
-                        "tokenizers from GGUF. Use --backend llamacpp, or the model's HF folder with tokenizer.json")
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """SentencePiece merges as BPE merges: llama.cpp joins the adjacent pair whose joined text is
+    the highest-scoring token; here every way of splitting a token into two tokens is a merge,
+    ranked by the joined token's score (ties: the lower id first)."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] in (NORMAL, USER_DEFINED, UNUSED, BYTE)}
+    ranked = []
+    for tok, i in vocab.items():
+        if types[i] != NORMAL:
+            continue
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_tokenizer(reader) -> tuple[Tokenizer, list[str], list[int]]:
+    tokens = [str(t) for t in gguf_field(reader, "tokenizer.ggml.tokens")]
+    types = [int(t) for t in gguf_field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    scores = [float(x) for x in gguf_field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))]
+    unk = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, spm_merges(tokens, scores, types),
+                     unk_token=tokens[int(unk)] if unk is not None else None, byte_fallback=True, fuse_unk=True)
+    tok = Tokenizer(bpe)
+    steps = [normalizers.Replace(" ", SPACE)]
+    if gguf_field(reader, "tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend(SPACE))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok, tokens, types
+
+
+def _bpe_tokenizer(reader, name: str) -> tuple[Tokenizer, list[str], list[int]]:
     pre = str(gguf_field(reader, "tokenizer.ggml.pre", "default"))
     splits = PRE_SPLITS.get(pre)
     if splits is None:
         raise UserError(f"{name} uses llama.cpp pre-tokenizer {pre!r}, which the torch backend does not know "
                         f"(known: {', '.join(sorted(PRE_SPLITS))}); use --backend llamacpp")
     tokens = [str(t) for t in gguf_field(reader, "tokenizer.ggml.tokens")]
-    types = [int(t) for t in gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))]
+    types = [int(t) for t in gguf_field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
     merges = [tuple(str(m).split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    bpe = models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES)
-    tok = Tokenizer(bpe)
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    return tok, tokens, types
+
+
+def from_gguf(reader, name: str) -> TextTokenizer:
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind == "gpt2":
+        tok, tokens, types = _bpe_tokenizer(reader, name)
+    elif kind == "llama":
+        tok, tokens, types = _spm_tokenizer(reader)
+    else:
+        raise UserError(f"{name} has a {kind!r} tokenizer; the torch backend rebuilds byte-level BPE ('gpt2') "
+                        "and SentencePiece ('llama') tokenizers from GGUF. Use --backend llamacpp, or the "
+                        "model's HF folder with tokenizer.json")
     special = [i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = {int(x) for x in (eos, eot) if x is not None}
+    eos_ids |= {i for i, t in enumerate(types) if t == CONTROL and tokens[i] in END_OF_TURN}
     return TextTokenizer(
         tokenizer=tok, bos_id=int(bos) if bos is not None else None, eos_ids=eos_ids,
         add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        chat_template=gguf_template_source(gguf_field(reader, "tokenizer.chat_template")),
         bos_text=tokens[int(bos)] if bos is not None else "", eos_text=tokens[int(eos)] if eos is not None else "",
-        control_ids={i for i, t in enumerate(types) if t == CONTROL})
+        control_ids={i for i, t in enumerate(types) if t == CONTROL}, byte_level=kind == "gpt2")
 
 
 def _token_text(value) -> str:

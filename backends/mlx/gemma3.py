@@ -1,0 +1,251 @@
+"""Gemma 3 (text) in MLX, beside the Llama page (model.py) and with the same cache seam:
+attention touches the KV cache only through ``LayerCache.attend`` (keys cached before RoPE).
+
+What differs from Llama (backends/torch/gemma3.py states the same for torch): five local layers
+sliding over their own window, rotated with base 10000, to one global layer with the model's
+base (llama.cpp's pattern: layer i is global when (i + 1) % 6 == 0); RMSNorm on each head of q
+and k; queries scaled by query_pre_attn_scalar ** -0.5; embeddings scaled by sqrt(hidden); a
+GeGLU MLP (tanh GELU); norms before and after attention and the MLP; tied embeddings. Norm
+weights are used as (1 + weight): GGUFs store them so, the folder loader adds the 1."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from localctx.backends.mlx.cache import LayerCache, ModelCache
+from localctx.kernels_metal.rope import inv_frequencies
+from localctx.kvcache.errors import UserError
+
+GLOBAL_EVERY = 6  # llama.cpp src/llama-model.cpp, LLM_ARCH_GEMMA3: hparams.set_swa_pattern(6)
+LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa (config.json: rope_local_base_freq)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for a global layer
+    query_scale: float
+    rms_eps: float = 1e-6
+    rope_base: float = 1_000_000.0  # global layers
+    rope_linear_factor: float = 1.0  # global layers' linear RoPE scaling
+    local_rope_base: float = LOCAL_ROPE_BASE
+    final_softcap: float | None = None
+    traditional_rope: bool = False  # Gemma rotates halves in GGUF and HF alike
+
+    def inv_freqs(self) -> list[mx.array]:
+        """One table of RoPE frequencies per layer."""
+        local = inv_frequencies(self.head_dim, self.local_rope_base)
+        full = inv_frequencies(self.head_dim, self.rope_base) / self.rope_linear_factor
+        return [full if w is None else local for w in self.layer_windows]
+
+
+def pattern_windows(n_layers: int, window: int | None) -> tuple[int | None, ...]:
+    if not window:
+        return (None,) * n_layers
+    return tuple(None if (i + 1) % GLOBAL_EVERY == 0 else int(window) for i in range(n_layers))
+
+
+def default_query_scale(n_layers: int, hidden: int, n_heads: int, head_dim: int) -> float:
+    """llama.cpp's choice when a GGUF does not say: hidden / heads for the 62-layer 27B, else head dim."""
+    return (hidden / n_heads if n_layers == 62 else head_dim) ** -0.5
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.scale = a.query_scale
+        self.q_proj = nn.Linear(a.hidden_size, a.n_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(a.head_dim, eps=a.rms_eps)
+        self.k_norm = nn.RMSNorm(a.head_dim, eps=a.rms_eps)
+
+    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
+        length = x.shape[0]
+        q = self.q_norm(self.q_proj(x).reshape(length, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(length, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(length, self.n_kv_heads, self.head_dim)
+        out = cache.attend(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1), self.scale)
+        return self.o_proj(out.astype(x.dtype).swapaxes(0, 1).reshape(length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
+        self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
+
+    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Body(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = [Block(a) for _ in range(a.n_layers)]
+        self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
+
+
+class Model(nn.Module):
+    """Hugging Face parameter names (model.layers.N.self_attn.q_proj, ...), one sequence."""
+
+    def __init__(self, a: ModelArgs, compute_dtype: mx.Dtype = mx.float32):
+        super().__init__()
+        self.args = a
+        self.compute_dtype = compute_dtype
+        self.model = Gemma3Body(a)
+
+    def __call__(self, tokens: mx.array, cache: ModelCache, last_only: bool = True) -> mx.array:
+        """tokens (L,) int → logits (V,) for the last token, or (L, V) with last_only=False."""
+        h = self.model.embed_tokens(tokens).astype(self.compute_dtype)
+        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=self.compute_dtype)
+        for block, layer_cache in zip(self.model.layers, cache.layers):
+            h = block(h, layer_cache)
+        if last_only:
+            h = h[-1:]
+        logits = self.model.embed_tokens.as_linear(self.model.norm(h)).astype(mx.float32)
+        if self.args.final_softcap:
+            logits = mx.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits[0] if last_only else logits
+
+
+# -- loading ------------------------------------------------------------------------------------
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+
+
+def _gguf_name(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.weight"
+    if len(parts) == 2 and parts[0] in _GGUF_TOP and parts[1] == "weight":
+        return f"{_GGUF_TOP[parts[0]]}.weight"
+    raise UserError(f"the GGUF has a tensor {name!r} that the MLX Gemma 3 graph does not know")
+
+
+def args_from_gguf(reader, name: str) -> ModelArgs:
+    from localctx.backends.model_spec import gguf_field
+
+    arch = gguf_field(reader, "general.architecture")
+
+    def meta(key: str, default=None):
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise UserError(f"{name} lacks {arch}.{key} in its metadata; the file is incomplete")
+        return value
+
+    n_layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
+    n_heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // n_heads))
+    scaling = str(meta("rope.scaling.type", "none"))
+    if scaling not in ("none", "", "linear"):
+        raise UserError(f"{name} uses RoPE scaling {scaling!r}, which --backend mlx does not run; "
+                        "use --backend llamacpp")
+    softcap = gguf_field(reader, f"{arch}.final_logit_softcapping")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
+    return ModelArgs(
+        hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
+        head_dim=head_dim, intermediate_size=int(meta("feed_forward_length")),
+        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
+        layer_windows=pattern_windows(n_layers, gguf_field(reader, f"{arch}.attention.sliding_window")),
+        query_scale=default_query_scale(n_layers, hidden, n_heads, head_dim),
+        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)), rope_base=float(meta("rope.freq_base", 1e6)),
+        rope_linear_factor=float(meta("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+        final_softcap=float(softcap) if softcap else None)
+
+
+def args_from_config(cfg: dict, folder: Path) -> ModelArgs:
+    if "text_config" in cfg:
+        raise UserError(f"{folder.name} is the multimodal Gemma 3; --backend mlx runs the text models "
+                        "(Gemma3ForCausalLM): use its GGUF or --backend llamacpp")
+    n_layers, hidden, n_heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    window, types = cfg.get("sliding_window"), cfg.get("layer_types")
+    if types:
+        windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    else:
+        every = int(cfg.get("sliding_window_pattern") or GLOBAL_EVERY)
+        windows = tuple(None if (i + 1) % every == 0 or not window else int(window) for i in range(n_layers))
+    rs = cfg.get("rope_scaling") or {}
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind not in ("default", "linear") or cfg.get("attn_logit_softcapping"):
+        raise UserError(f"{folder.name}: RoPE scaling {kind!r} or attention soft-capping is not run by --backend mlx; "
+                        "use --backend llamacpp")
+    scalar, softcap = cfg.get("query_pre_attn_scalar"), cfg.get("final_logit_softcapping")
+    return ModelArgs(
+        hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads), head_dim=head_dim,
+        intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]), layer_windows=windows,
+        query_scale=float(scalar) ** -0.5 if scalar else default_query_scale(n_layers, hidden, n_heads, head_dim),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_base=float(cfg.get("rope_theta", 1e6)),
+        rope_linear_factor=float(rs.get("factor", 1.0)) if kind == "linear" else 1.0,
+        local_rope_base=float(cfg.get("rope_local_base_freq", LOCAL_ROPE_BASE)),
+        final_softcap=float(softcap) if softcap else None)
+
+
+def gguf_weights(reader) -> dict[str, mx.array]:
+    """Every tensor dequantised with the gguf package (mx.load keeps only Q4_0/Q4_1/Q8_0 packed,
+    and Gemma's GGUFs mix K-quants in), by HF name."""
+    from gguf import quants
+
+    out = {}
+    for t in reader.tensors:
+        data = quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        out[_gguf_name(t.name)] = mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+    return out
+
+
+def folder_weights(folder: Path) -> dict[str, mx.array]:
+    weights = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weights.update(mx.load(str(file)))
+    weights = {k: v for k, v in weights.items() if not k.startswith("lm_head")}  # tied to the embeddings
+    return {k: (v.astype(mx.float32) + 1.0 if k.endswith("norm.weight") else v) for k, v in weights.items()}
+
+
+def build(args: ModelArgs, weights: dict[str, mx.array], dtype: mx.Dtype) -> Model:
+    model = Model(args, dtype)
+    try:
+        model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+    except ValueError as exc:
+        raise UserError(f"the weights do not fit the MLX Gemma 3 graph ({str(exc)[:160]})") from None
+    mx.eval(model.parameters())
+    return model
