@@ -23,22 +23,16 @@ def read_spec(ref: ModelRef) -> ModelSpec:
 
 
 def read_gguf(path: Path):
-    """Open a GGUF with the gguf package; a truncated or corrupt file becomes a UserError."""
-    from gguf import GGUFReader
+    """``path``'s GGUF header (metadata + tensor infos, no tensor data), parsed at most once per file
+    and cached by size + mtime (backends/gguf_cache.py); a truncated or corrupt file is a UserError."""
+    from localctx.backends.gguf_cache import cached_header
 
-    try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises many kinds on a damaged file
-        raise UserError(f"{path} is truncated or corrupt ({type(exc).__name__}: {str(exc)[:80]}); "
-                        "download it again") from None
+    return cached_header(path)
 
 
 def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    """A metadata value of a header from ``read_gguf`` (big arrays are read from the file on demand)."""
+    return reader.get(key, default)
 
 
 def gguf_spec(path: Path, name: str | None = None) -> ModelSpec:
@@ -60,8 +54,7 @@ def gguf_spec(path: Path, name: str | None = None) -> ModelSpec:
     hidden = int(need("embedding_length"))
     n_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads))
     head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(gguf_field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
+    vocab = int(gguf_field(reader, f"{arch}.vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0))
     weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     n_params = sum(int(t.n_elements) for t in reader.tensors)
     return ModelSpec(

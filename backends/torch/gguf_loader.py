@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localctx.backends.gguf_header import TensorInfo
 from localctx.backends.model_spec import LLAMA_FAMILY, gguf_field, read_gguf
 from localctx.backends.torch.config import LlamaConfig
 from localctx.backends.torch.rope import RopeScaling
@@ -44,7 +45,6 @@ def read_config(reader, path: Path) -> LlamaConfig:
     n_heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
     scaling_type = str(meta("rope.scaling.type", "none"))
     if scaling_type == "linear":
         scaling = RopeScaling("linear", float(meta("rope.scaling.factor", 1.0)))
@@ -58,7 +58,7 @@ def read_config(reader, path: Path) -> LlamaConfig:
         n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
         head_dim=int(meta("attention.key_length", hidden // n_heads)),
         intermediate_size=int(need("feed_forward_length")),
-        vocab_size=int(meta("vocab_size", len(tokens.data) if tokens else 0)),
+        vocab_size=int(meta("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0)),
         context_length=int(need("context_length")),
         norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_base=float(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
@@ -66,16 +66,33 @@ def read_config(reader, path: Path) -> LlamaConfig:
         tie_embeddings="output.weight" not in names)
 
 
-def dequantize(tensor) -> torch.Tensor:
+_PLAIN_TYPES = {0: np.float32, 1: np.float16}  # ggml F32, F16: stored as is
+
+
+def tensor_data(weights: np.ndarray, tensor: TensorInfo) -> np.ndarray:
+    """A tensor's stored bytes as the gguf package's dequantiser takes them: F32/F16 as their dtype in
+    [rows, cols], block-quantised types as uint8 [rows, bytes per row]; a view of the memory map."""
+    raw = weights[tensor.data_offset:tensor.data_offset + tensor.n_bytes]
+    dims = tuple(reversed(tensor.shape))
+    plain = _PLAIN_TYPES.get(tensor.ggml_type)
+    if plain is not None:
+        return raw.view(plain).reshape(dims)
+    rows = tensor.n_elements // tensor.shape[0] if tensor.shape else 1
+    return raw.reshape(*dims[:-1], tensor.n_bytes // max(rows, 1))
+
+
+def dequantize(weights: np.ndarray, tensor: TensorInfo) -> torch.Tensor:
     """One GGUF tensor as float32 in [rows, cols] (GGUF lists dims innermost first)."""
     from gguf import quants
+    from gguf.constants import GGMLQuantizationType
 
+    qtype = GGMLQuantizationType(tensor.ggml_type)
     try:
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
+        data = quants.dequantize(tensor_data(weights, tensor), qtype)
     except NotImplementedError:
-        raise UserError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
+        raise UserError(f"tensor {tensor.name} is stored as {qtype.name}, which the gguf package "
                         "cannot dequantise; use --backend llamacpp for this file") from None
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(reversed(tensor.shape))
     data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
     if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
         data = data.copy()
@@ -96,14 +113,15 @@ def spec_from(reader, config: LlamaConfig, name: str) -> ModelSpec:
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32, reader=None
               ) -> tuple[LlamaConfig, dict[str, torch.Tensor], torch.Tensor | None, object]:
     """(config, tensors by GGUF name in the HF layout and in ``dtype``, rope frequency factors or
-    None, reader). Each tensor is converted as it is read, so a half-precision load never holds
+    None, the file's header from read_gguf). Each tensor is converted as it is read, so a half-precision load never holds
     the whole model in float32."""
     reader = reader or read_gguf(path)
     config = read_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
     freq_factors = None
+    weights = np.memmap(path, dtype=np.uint8, mode="r")
     for t in reader.tensors:
-        value = dequantize(t)
+        value = dequantize(weights, t)
         if t.name == "rope_freqs.weight":
             freq_factors = value.reshape(-1)
             continue
