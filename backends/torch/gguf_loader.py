@@ -113,8 +113,8 @@ def spec_from(reader, config: LlamaConfig, name: str) -> ModelSpec:
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32, reader=None
               ) -> tuple[LlamaConfig, dict[str, torch.Tensor], torch.Tensor | None, object]:
     """(config, tensors by GGUF name in the HF layout and in ``dtype``, rope frequency factors or
-    None, the file's header from read_gguf). Each tensor is converted as it is read, so a half-precision load never holds
-    the whole model in float32."""
+    None, the file's header from read_gguf). Each tensor is converted as it is read, so a
+    half-precision load never holds the whole model in float32."""
     reader = reader or read_gguf(path)
     config = read_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
