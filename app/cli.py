@@ -11,16 +11,20 @@ from localctx.kvcache.errors import RuntimeFailure, UserError
 COMMANDS = ("run", "chat", "summarize", "plan", "bench", "eval", "models", "pull", "serve")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: when it names a command, only that command's module is imported (so
+    `localctx run` does not pay for Rich, Textual or the bench); otherwise every command, for help."""
     parser = argparse.ArgumentParser(prog="localctx", description="Run LLMs locally with long contexts.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
+    named = argv[0] if argv and argv[0] in COMMANDS else None
+    for name in (named,) if named else COMMANDS:
         importlib.import_module(f"localctx.app.commands.{name}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except UserError as exc:

@@ -41,22 +41,16 @@ def read_spec(ref: ModelRef) -> ModelSpec:
 
 
 def read_gguf(path: Path):
-    """Open a GGUF with the gguf package; a truncated or corrupt file becomes a UserError."""
-    from gguf import GGUFReader
+    """``path``'s GGUF header (metadata + tensor infos, no tensor data), parsed at most once per file
+    and cached by size + mtime (backends/gguf_cache.py); a truncated or corrupt file is a UserError."""
+    from localctx.backends.gguf_cache import cached_header
 
-    try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # the reader raises many kinds on a damaged file
-        raise UserError(f"{path} is truncated or corrupt ({type(exc).__name__}: {str(exc)[:80]}); "
-                        "download it again") from None
+    return cached_header(path)
 
 
 def gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    """A metadata value of a header from ``read_gguf`` (big arrays are read from the file on demand)."""
+    return reader.get(key, default)
 
 
 def _per_layer(value, n_layers: int, default: int) -> list[int]:
@@ -107,8 +101,7 @@ def gguf_spec(path: Path, name: str | None = None) -> ModelSpec:
     layers = build_layers(n_layers, kv_heads, k_dim, v_dim, sliding, window,
                           k_dim_swa=get("attention.key_length_swa"), v_dim_swa=get("attention.value_length_swa"),
                           no_kv=no_kv)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(get("vocab_size", len(tokens.data) if tokens else 0))
+    vocab = int(get("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0))
     weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     n_params = sum(int(t.n_elements) for t in reader.tensors)
     moe = None

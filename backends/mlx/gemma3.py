@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from localctx.backends.gguf_header import dequantize_f32
 from localctx.backends.mlx.cache import LayerCache, ModelCache
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
@@ -220,17 +221,11 @@ def args_from_config(cfg: dict, folder: Path) -> ModelArgs:
         final_softcap=float(softcap) if softcap else None)
 
 
-def gguf_weights(reader) -> dict[str, mx.array]:
+def gguf_weights(path: Path, reader) -> dict[str, mx.array]:
     """Every tensor dequantised with the gguf package (mx.load keeps only Q4_0/Q4_1/Q8_0 packed,
     and Gemma's GGUFs mix K-quants in), by HF name."""
-    from gguf import quants
-
-    out = {}
-    for t in reader.tensors:
-        data = quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out[_gguf_name(t.name)] = mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
-    return out
+    weights = np.memmap(path, dtype=np.uint8, mode="r")
+    return {_gguf_name(t.name): mx.array(dequantize_f32(weights, t)) for t in reader.tensors}
 
 
 def folder_weights(folder: Path) -> dict[str, mx.array]:

@@ -82,8 +82,8 @@ def load_gguf(path: Path, options: LoadOptions = LoadOptions()) -> tuple[LoadedM
     reader = read_gguf(path)
     if _page(gguf_field(reader, "general.architecture"), path.name) is gemma3:
         args = gemma3.args_from_gguf(reader, path.name)
-        model = gemma3.build(args, gemma3.gguf_weights(reader), compute_dtype())
-        meta = {key: gguf_field(reader, key) for key in reader.fields if key.startswith(("tokenizer.", "general."))}
+        model = gemma3.build(args, gemma3.gguf_weights(path, reader), compute_dtype())
+        meta = {key: gguf_field(reader, key) for key in reader.keys() if key.startswith(("tokenizer.", "general."))}
         return LoadedModel(model, args.inv_freqs(), args.layer_windows), meta
     try:
         tensors, meta = mx.load(str(path), return_metadata=True)

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -200,13 +201,12 @@ def config_from_gguf(reader, path: Path) -> Gemma3Config:
     else:
         raise UserError(f"{path.name} uses RoPE scaling {scaling_type!r}, which the torch backend does not run; "
                         "use --backend llamacpp for this model")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
     softcap = meta("final_logit_softcapping")
     return Gemma3Config(
         architecture=arch, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
         n_kv_heads=int(meta("attention.head_count_kv", n_heads)), head_dim=head_dim,
         intermediate_size=int(need("feed_forward_length")),
-        vocab_size=int(meta("vocab_size", len(tokens.data) if tokens else 0)),
+        vocab_size=int(meta("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0)),
         context_length=int(need("context_length")),
         layer_windows=pattern_windows(n_layers, meta("attention.sliding_window")),
         query_scale=default_query_scale(n_layers, hidden, n_heads, head_dim),
@@ -274,9 +274,10 @@ def is_norm(gguf_name: str) -> bool:
 
 def from_gguf(reader, path: Path, name: str, build: BuildOptions) -> tuple[Gemma3Model, ModelSpec]:
     config = config_from_gguf(reader, path)
-    tensors = {t.name: dequantize(t).to(build.load_dtype) for t in reader.tensors}
+    weights = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {t.name: dequantize(weights, t).to(build.load_dtype) for t in reader.tensors}
     model = Gemma3Model(config, tensors, dtype=build.dtype, device=build.device, weights=build.weights)
-    return model, spec_from(reader, config, name)
+    return model, spec_from(path, name)
 
 
 def from_hf(folder: Path, name: str, build: BuildOptions) -> tuple[Gemma3Model, ModelSpec]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localctx.backends.gguf_header import TensorInfo, dequantize_f32
 from localctx.backends.model_spec import NATIVE_GRAPH, gguf_field, read_gguf
 from localctx.backends.torch.config import LlamaConfig
 from localctx.backends.torch.rope import RopeScaling
@@ -44,7 +45,6 @@ def read_config(reader, path: Path) -> LlamaConfig:
     n_heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
     scaling_type = str(meta("rope.scaling.type", "none"))
     if scaling_type == "linear":
         scaling = RopeScaling("linear", float(meta("rope.scaling.factor", 1.0)))
@@ -58,7 +58,7 @@ def read_config(reader, path: Path) -> LlamaConfig:
         n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
         head_dim=int(meta("attention.key_length", hidden // n_heads)),
         intermediate_size=int(need("feed_forward_length")),
-        vocab_size=int(meta("vocab_size", len(tokens.data) if tokens else 0)),
+        vocab_size=int(meta("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0)),
         context_length=int(need("context_length")),
         norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_base=float(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
@@ -66,44 +66,30 @@ def read_config(reader, path: Path) -> LlamaConfig:
         tie_embeddings="output.weight" not in names)
 
 
-def dequantize(tensor) -> torch.Tensor:
-    """One GGUF tensor as float32 in [rows, cols] (GGUF lists dims innermost first)."""
-    from gguf import quants
-
-    try:
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError:
-        raise UserError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf package "
-                        "cannot dequantise; use --backend llamacpp for this file") from None
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    data = np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
-    if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
-        data = data.copy()
-    return torch.from_numpy(data)
+def dequantize(weights: np.ndarray, tensor: TensorInfo) -> torch.Tensor:
+    """One GGUF tensor as float32 in [rows, cols], writable (see gguf_header.dequantize_f32)."""
+    return torch.from_numpy(dequantize_f32(weights, tensor))
 
 
-def spec_from(reader, config: LlamaConfig, name: str) -> ModelSpec:
-    """The ModelSpec of an open GGUF (the same figures as model_spec.gguf_spec, without reading
-    the file a second time)."""
-    return ModelSpec(
-        name=name, architecture=config.architecture, n_layers=config.n_layers, n_heads=config.n_heads,
-        n_kv_heads=config.n_kv_heads, head_dim=config.head_dim, hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size, context_length=config.context_length, rope_base=config.rope_base,
-        weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
-        n_params=sum(int(t.n_elements) for t in reader.tensors), intermediate_size=config.intermediate_size)
+def spec_from(path: Path, name: str) -> ModelSpec:
+    """The ModelSpec of a loaded GGUF, per layer, from the header read_gguf already parsed (cached)."""
+    from localctx.backends.model_spec import gguf_spec
+
+    return gguf_spec(path, name)
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32, reader=None
               ) -> tuple[LlamaConfig, dict[str, torch.Tensor], torch.Tensor | None, object]:
     """(config, tensors by GGUF name in the HF layout and in ``dtype``, rope frequency factors or
-    None, reader). Each tensor is converted as it is read, so a half-precision load never holds
-    the whole model in float32."""
+    None, the file's header from read_gguf). Each tensor is converted as it is read, so a
+    half-precision load never holds the whole model in float32."""
     reader = reader or read_gguf(path)
     config = read_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
     freq_factors = None
+    weights = np.memmap(path, dtype=np.uint8, mode="r")
     for t in reader.tensors:
-        value = dequantize(t)
+        value = dequantize(weights, t)
         if t.name == "rope_freqs.weight":
             freq_factors = value.reshape(-1)
             continue

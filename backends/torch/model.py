@@ -133,7 +133,7 @@ def from_gguf(reader, path: Path, name: str, build: BuildOptions) -> tuple[Llama
     config, tensors, freq_factors, reader = load_gguf(path, build.load_dtype, reader)
     model = LlamaModel(config, tensors, dtype=build.dtype, device=build.device, weights=build.weights,
                        freq_factors=freq_factors)
-    return model, spec_from(reader, config, name)
+    return model, spec_from(path, name)
 
 
 def from_hf(folder: Path, name: str, build: BuildOptions) -> tuple[LlamaModel, ModelSpec]:
