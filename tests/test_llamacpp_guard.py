@@ -123,3 +123,26 @@ def test_the_installed_build_passes_the_real_probe_here(monkeypatch):
         pytest.skip("llama-cpp-python is not installed")
     assert llamacpp_guard.check() is None
     assert cached_verdicts() == [{"ok": True, "what": "", "fix": ""}]
+
+
+SAPPHIRE_RAPIDS = frozenset(("sse4_2 avx avx2 fma f16c bmi2 avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw "
+                             "avx512vbmi avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16").split())
+
+
+def test_build_flags_keep_every_simd_extension_of_the_cpu_and_never_amx():
+    args = llamacpp_build.cmake_args(SAPPHIRE_RAPIDS, x86_64=True).split()
+    assert args[0] == "-DGGML_NATIVE=OFF"
+    on = {a[2:-3] for a in args if a.endswith("=ON")}
+    assert on == {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_AVX_VNNI",
+                  "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"}
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+    # ggml's AVX512 option compiles with F, CD, VL, DQ and BW: a CPU without BW does not get it
+    assert "-DGGML_AVX512=OFF" in llamacpp_build.cmake_args(SAPPHIRE_RAPIDS - {"avx512bw"}, x86_64=True)
+    assert llamacpp_build.cmake_args(frozenset({"fp", "asimd", "sve"}), x86_64=False) == ""  # ARM: llama.cpp's defaults
+
+
+def test_cpu_flags_come_from_the_first_flags_line(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx2\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert llamacpp_build.cpu_flags(info) == {"fpu", "sse4_2", "avx2"}
+    assert llamacpp_build.cpu_flags(tmp_path / "missing") == frozenset()
