@@ -217,8 +217,23 @@ def check_prompt_fits(n_prompt: int, plan: Plan, spec: ModelSpec, max_tokens: in
     if plan.policy.evicts:
         return  # a windowed cache streams past its budget by design
     if n_prompt >= plan.context:
+        windowed = windowed_policy_for(plan, spec)
         raise UserError(
             f"the prompt is {n_prompt:,} tokens but the context holds {plan.context:,} "
             f"({spec.name} was trained on {spec.context_length:,}); shorten the prompt, split it "
-            f"(localctx summarize handles long documents), or use a windowed policy such as "
-            f"--kv int8+sink4+win{min(plan.context, spec.context_length) // 2}")
+            "(localctx summarize handles long documents)"
+            + (f", or use a windowed policy such as --kv {windowed}" if windowed else ""))
+
+
+def windowed_policy_for(plan: Plan, spec: ModelSpec) -> KVPolicy | None:
+    """A sinks + window policy the plan's backend accepts for ``spec`` (8-bit KV where it can,
+    else full precision; llama.cpp shifts fp16 KV only), window half the context; None if none."""
+    from localctx.backends import registry
+
+    window = max(1, min(plan.context, spec.context_length) // 2)
+    cls = registry.backend_class(plan.backend) if plan.backend in registry.names() else None
+    for bits in (8, 16):
+        policy = KVPolicy(bits=bits, sinks=4, window=window)
+        if cls is None or not cls().refusals(policy, spec):
+            return policy
+    return None

@@ -247,11 +247,12 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
 
     def unavailable_reason(self) -> str | None:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
+        from localctx.backends import llamacpp_guard
+
+        if llamacpp_guard.library_dir() is None:
             return "llama-cpp-python is not installed: pip install llama-cpp-python"
-        return None
+        problem = llamacpp_guard.check()  # a build that dies here is refused, not loaded (probed once)
+        return problem.line() if problem else None
 
     def capabilities(self) -> Capabilities:
         return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}), sinks_window=True,

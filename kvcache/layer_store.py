@@ -3,8 +3,15 @@ with its stream index and accumulated attention mass, kept in stream order (kvca
 states the rules this applies).
 
 Storage grows by doubling (``Rows``); what the store *holds* — and reports in ``nbytes`` — is
-the filled rows only: K/V payload plus the fp16 scale/min of the quantized groups."""
+the filled rows only: K/V payload plus the fp16 scale/min of the quantized groups.
+
+A step can be undone exactly (``checkpoint`` / ``restore`` / ``commit``): each ``Rows`` then keeps
+its buffer, start and length from the checkpoint, and a copy of any checkpointed rows a write
+overwrites in place (eviction moves rows inside the buffer, attention mass accumulates in place),
+so an undo log costs at most what the step's own writes cost."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +19,14 @@ from localctx.kvcache import eviction, quant
 from localctx.kvcache.eviction_masks import keep_heaviest, leaving
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quant_attention import FullTokens, QuantGroups
+
+
+@dataclass
+class _RowsMark:
+    buf: torch.Tensor
+    start: int
+    n: int
+    saved: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (buffer row, rows as they were)
 
 
 class Rows:
@@ -28,6 +43,33 @@ class Rows:
         self.buf = torch.empty((0, *tail), dtype=dtype, device=device)
         self.n = 0
         self.start = 0
+        self._mark: _RowsMark | None = None
+
+    # -- undo ------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Start recording what ``restore`` needs to return to this state exactly."""
+        self._mark = _RowsMark(self.buf, self.start, self.n)
+
+    def commit(self) -> None:
+        self._mark = None
+
+    def restore(self) -> None:
+        """Back to the state at ``checkpoint`` (a no-op without one)."""
+        mark, self._mark = self._mark, None
+        if mark is None:
+            return
+        for row, rows in reversed(mark.saved):
+            mark.buf[row:row + rows.shape[0]] = rows
+        self.buf, self.start, self.n = mark.buf, mark.start, mark.n
+
+    def _overwriting(self, a: int, b: int) -> None:
+        """Buffer rows [a, b) are about to be written in place: keep the checkpointed ones."""
+        mark = self._mark
+        if mark is None or self.buf is not mark.buf:  # no checkpoint, or a new buffer since
+            return
+        lo, hi = max(a, mark.start), min(b, mark.start + mark.n)
+        if lo < hi:
+            mark.saved.append((lo, self.buf[lo:hi].clone()))
 
     @property
     def view(self) -> torch.Tensor:
@@ -44,8 +86,14 @@ class Rows:
             moved = torch.empty((capacity, *self.buf.shape[1:]), dtype=self.buf.dtype, device=self.buf.device)
             moved[:self.n] = self.view
             self.buf, self.start = moved, 0
+        self._overwriting(self.start + self.n, self.start + need)
         self.buf[self.start + self.n:self.start + need] = x.to(self.buf.dtype)
         self.n = need
+
+    def add_(self, x: torch.Tensor) -> None:
+        """Add ``x`` to the filled rows in place."""
+        self._overwriting(self.start, self.start + self.n)
+        self.view.add_(x)
 
     def keep(self, mask: torch.Tensor) -> None:
         dropped = (~mask).nonzero().flatten()
@@ -57,6 +105,7 @@ class Rows:
             self.drop_run(head, k)
             return
         kept = self.view[mask]
+        self._overwriting(self.start, self.start + kept.shape[0])
         self.buf[self.start:self.start + kept.shape[0]] = kept
         self.n = kept.shape[0]
 
@@ -67,9 +116,11 @@ class Rows:
         s, tail = self.start, self.n - head - k
         if head <= tail:
             if head:
+                self._overwriting(s + k, s + k + head)
                 self.buf[s + k:s + k + head] = self.buf[s:s + head].clone()
             self.start = s + k
         elif tail:
+            self._overwriting(s + head, s + head + tail)
             self.buf[s + head:s + head + tail] = self.buf[s + head + k:s + self.n].clone()
         self.n -= k
 
@@ -87,6 +138,7 @@ class LayerStore:
         # the newest tokens, starting at stream index ``main_start``: evicting is arithmetic
         self.window_only = policy.window is not None and not quantizes and heavy_units == 0
         self.main_start = policy.sinks
+        self._main_start_mark: int | None = None  # main_start at the last checkpoint
         H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
         self.full_k = Rows((H, D), dtype, device)  # [N, H, D] before RoPE
         self.full_v = Rows((H, D), dtype, device)
@@ -104,6 +156,29 @@ class LayerStore:
             self.qv_min = Rows((H, g, D // g), quant.SCALE_DTYPE, device)
             self.q_idx = Rows((g,), torch.long, device)
             self.q_mass = Rows((g,), torch.float32, device)
+
+    # -- undoing a step ----------------------------------------------------------------------
+    def _all_rows(self) -> list[Rows]:
+        return self._full_rows + self._quant_rows()
+
+    def checkpoint(self) -> None:
+        """Record this state; ``restore`` returns to it exactly (quantized groups and attention
+        mass included), ``commit`` drops the record."""
+        self._main_start_mark = self.main_start
+        for rows in self._all_rows():
+            rows.checkpoint()
+
+    def commit(self) -> None:
+        for rows in self._all_rows():
+            rows.commit()
+        self._main_start_mark = None
+
+    def restore(self) -> None:
+        """Back to the last ``checkpoint`` (a no-op without one)."""
+        for rows in self._all_rows():
+            rows.restore()
+        if self._main_start_mark is not None:
+            self.main_start, self._main_start_mark = self._main_start_mark, None
 
     # -- what attention reads ------------------------------------------------------------
     def _quant_rows(self) -> list[Rows]:
@@ -179,9 +254,9 @@ class LayerStore:
         """Accumulate the attention mass of every held token (None when untracked)."""
         if full_mass is None:
             return
-        self.full_mass.view.add_(full_mass)
+        self.full_mass.add_(full_mass)
         if quant_mass is not None:
-            self.q_mass.view.add_(quant_mass)
+            self.q_mass.add_(quant_mass)
 
     def age(self, n_seen: int) -> None:
         """Quantize every whole group past the head that is older than the residual (rule 2)."""

@@ -6,6 +6,7 @@ The seam with the model (kept identical for the quantized / evicting caches):
     cache.begin_step(seq_ids, n_new)          # which sequences run this forward, T new tokens each
     out = cache.attend(layer_idx, q, k, v)     # once per layer; q/k/v before RoPE
     cache.end_step()                           # (optional) the forward is over
+    cache.abort_step()                         # instead, when the forward raised: the step is undone
 
 q: [B, T, n_heads, head_dim]; k, v: [B, T, n_kv_heads, head_dim]; out: like q. The cache rotates
 queries and keys at their positions *in the cache* with the model's ``Rotary``, appends K/V to
@@ -70,6 +71,7 @@ class PagedKVCache:
         self.k = torch.zeros(dims, dtype=shape.dtype, device=shape.device)
         self.v = torch.zeros(dims, dtype=shape.dtype, device=shape.device)
         self.step: StepLayout | None = None
+        self._lengths_before_step: dict[int, int] = {}
 
     # -- sequences ---------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, reserve_tokens: int = 0) -> None:
@@ -141,6 +143,7 @@ class PagedKVCache:
         starts = [pool.length(s) for s in seq_ids]
         for s in seq_ids:
             pool.grow(s, T)
+        self._lengths_before_step = dict(zip(seq_ids, starts))
         self.step = self._layout(tuple(seq_ids), T, starts)
 
     def _layout(self, seq_ids: tuple[int, ...], T: int, starts: list[int]) -> StepLayout:
@@ -180,4 +183,13 @@ class PagedKVCache:
                                contiguous_from=step.contiguous_from)
 
     def end_step(self) -> None:
+        self.step = None
+
+    def abort_step(self) -> None:
+        """Undo the step in progress: each sequence back to its length before ``begin_step`` (the
+        rows some layers already wrote lie past it and are written again by the next step)."""
+        if self.step is not None:
+            for seq_id, length in self._lengths_before_step.items():
+                if self.pool.has(seq_id):
+                    self.pool.truncate(seq_id, length)
         self.step = None

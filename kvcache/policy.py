@@ -7,7 +7,8 @@ Tokens, joined by ``+``, in any order on input and canonical order on output:
 - ``resN``: the N most recent tokens stay in full precision (quantized KV only)
 - ``sinkN``: the first N tokens are always kept
 - ``winN``: the last N tokens are kept; the middle is evicted (no ``win`` = unbounded)
-- ``heavyN``: the N tokens with the largest accumulated attention are kept too (H2O)
+- ``heavyN``: of the tokens the window evicts, the N with the largest accumulated attention are kept
+  too (H2O); needs ``winN``
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class KVPolicy:
             return "window must be at least 1 token (drop 'win' for an unbounded cache)"
         if self.residual and self.bits == 16:
             return "a full-precision residual ('res') only applies to int8 or int4 KV"
+        if self.heavy and self.window is None:
+            return ("heavy hitters ('heavy') are kept from the tokens a window evicts, and without 'win' "
+                    "nothing is evicted; add a window (e.g. int8+sink4+win2048+heavy256) or drop 'heavy'")
         return None
 
     # -- text form -------------------------------------------------------------

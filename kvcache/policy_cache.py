@@ -3,7 +3,7 @@ same seam as the full-precision ``PagedKVCache``:
 
     cache.begin_step(seq_ids, n_new)
     out = cache.attend(layer_idx, q, k, v)   # q/k/v before RoPE, once per layer
-    cache.end_step()
+    cache.end_step()                         # or cache.abort_step(): every layer as before the step
 
 Keys are cached **before RoPE** and rotated at attention time at their positions *in the
 cache* (``kvcache/quant_attention.py``), so evicting a token re-indexes everything after it
@@ -53,6 +53,7 @@ class _Sequence:
     n_seen: int = 0  # tokens streamed through the cache (positions in the original stream)
     pending: int = 0  # tokens of the current step
     attended: set = field(default_factory=set)
+    n_seen_before_step: int = 0
 
 
 def check_policy_fits_shape(policy: KVPolicy, head_dim: int) -> None:
@@ -180,7 +181,9 @@ class PolicyKVCache:
                                 f"{pool.free_blocks} free, {need} needed); give a larger --context or a smaller batch")
         for s in seq_ids:
             seq = self._seq(s)
-            seq.pending, seq.attended = counts[0], set()
+            seq.pending, seq.attended, seq.n_seen_before_step = counts[0], set(), seq.n_seen
+            for layer in seq.layers:
+                layer.checkpoint()
         self._step = tuple(seq_ids)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -217,6 +220,24 @@ class PolicyKVCache:
         return torch.stack(outs)
 
     def end_step(self) -> None:
+        for seq in self._step_sequences():
+            for layer in seq.layers:
+                layer.commit()
+        self._step = None
+
+    @torch.inference_mode()  # the stores were written under inference mode: put them back under it too
+    def abort_step(self) -> None:
+        """Undo the step in progress (a forward that raised in some layer): every layer of its
+        sequences returns exactly to its state before ``begin_step`` (held tokens, quantized
+        groups, attention mass), whichever layers had already attended."""
+        for seq_id in self._step or ():
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            for layer in seq.layers:
+                layer.restore()
+            seq.n_seen, seq.pending, seq.attended = seq.n_seen_before_step, 0, set()
+            self._sync_pool(seq_id)
         self._step = None
 
     # -- internals -----------------------------------------------------------------------------
@@ -228,6 +249,9 @@ class PolicyKVCache:
 
     def _held(self, seq_id: int) -> int:
         return max(layer.n_tokens for layer in self._seqs[seq_id].layers)
+
+    def _step_sequences(self) -> list[_Sequence]:
+        return [self._seqs[s] for s in self._step or () if s in self._seqs]
 
     def _sync_pool(self, seq_id: int) -> None:
         held, have = self._held(seq_id), self.pool.length(seq_id)

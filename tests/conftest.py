@@ -2,11 +2,27 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+
+# The fake backend is a test double: the CLI does not offer it. The suite registers it for itself
+# and for every process it starts, through the registry's plugin variable (backends/registry.py).
+FAKE_BACKEND_PLUGIN = "fake=localctx.backends.fake:FakeBackend"
+
+
+def pytest_configure(config):
+    os.environ["LOCALCTX_BACKEND_PLUGINS"] = FAKE_BACKEND_PLUGIN
+
+
+# Triton's interpreter is switched on per process (TRITON_INTERPRET=1, read at import): its tests
+# run in a process of their own (test_triton_interpreter.py), collected only there.
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else [
+    "test_cuda_kernels.py", "test_cuda_kernels_e2e.py", "test_cuda_kernels_model.py"]
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,9 @@ reference (kvcache/quant_attention.attend_reference) over several shapes, plus h
 when it steps aside, and that a torch session uses it."""
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -159,6 +162,47 @@ def test_the_library_is_built_once_into_the_user_cache(kernel, fresh_build_state
     assert cpu.library().ok  # a new process loads what is there
     assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("*.so")] == [stamp]
     assert not list((tmp_path / "kernels").glob("tmp*"))  # no half-written files left behind
+
+
+def test_the_build_is_keyed_on_cpu_features_and_compiler_not_the_host_name(fresh_build_state, monkeypatch):
+    source = Path(build.__file__).with_name("policy_attention.c")
+    compiler, flags = build._compiler() or "cc", build.FLAG_SETS[0]
+    here = build._target(source, compiler, flags)
+    assert build.cpu_features() == " ".join(sorted(build.cpu_flags()))
+    monkeypatch.setattr(build.platform, "node", lambda: "another-host")  # a renamed machine: same build
+    assert build._target(source, compiler, flags) == here
+    with monkeypatch.context() as m:  # the same home folder on a CPU with other features
+        m.setattr(build, "cpu_features", lambda: "avx avx2 fma sse4_2")
+        assert build._target(source, compiler, flags) != here
+    with monkeypatch.context() as m:  # another compiler, or what -march=native means to it here
+        m.setattr(build, "compiler_identity", lambda c, f: "gcc version 99.1.0\n-march=futurelake -mamx-tile")
+        assert build._target(source, compiler, flags) != here
+
+
+def test_compiler_identity_says_what_native_means_here_and_is_stable():
+    compiler = build._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    build.compiler_identity.cache_clear()
+    first = build.compiler_identity(compiler, build.FLAG_SETS[0])
+    build.compiler_identity.cache_clear()
+    assert build.compiler_identity(compiler, build.FLAG_SETS[0]) == first  # no temporary file names
+    assert " version " in first and "/tmp" not in first.split("\n", 1)[1]
+    if platform.machine() == "x86_64" and "gcc" in first:
+        assert ("-mavx2" in first) == ("avx2" in build.cpu_flags())
+
+
+def test_a_build_for_other_cpu_features_is_never_loaded(kernel, fresh_build_state, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(tmp_path))
+    assert cpu.library().ok
+    (mine,) = (tmp_path / "kernels").glob("policy_attention-*.so")
+    real = build.cpu_features
+    monkeypatch.setattr(build, "cpu_features", lambda: real() + " pretend_feature")
+    build.load.cache_clear()
+    loaded = cpu.library()
+    built = set((tmp_path / "kernels").glob("policy_attention-*.so"))
+    assert loaded.ok and len(built) == 2 and mine in built
+    assert Path(loaded.library._name) in built - {mine}  # its own build, not the other CPU's
 
 
 @pytest.fixture(scope="module")

@@ -51,3 +51,35 @@ def test_drop_run_moves_the_shorter_side_of_the_gap():
     everything = filled(6)
     everything.drop_run(0, 6)
     assert everything.n == 0 and everything.view.numel() == 0
+
+
+def test_restore_undoes_any_mix_of_appends_drops_and_in_place_adds_exactly():
+    """A step's writes (append, window drops that move rows inside the buffer, arbitrary drops,
+    mass added in place) are undone to the bit by restore; commit keeps them."""
+    rng = random.Random(11)
+    rows = Rows((3,), torch.float32, "cpu")
+    rows.append(torch.randn(30, 3))
+    for step in range(300):
+        before, buf_before = rows.view.clone(), rows.buf
+        rows.checkpoint()
+        for _ in range(rng.choice([1, 2, 3])):
+            op = rng.choice(["append", "window", "arbitrary", "add"])
+            if op == "append":
+                rows.append(torch.randn(rng.choice([1, 1, 9, 40]), 3))
+            elif op == "window" and rows.n > 8:
+                rows.drop_run(rng.choice([0, 2, 4, rows.n - 3]), rng.randint(1, 3))
+            elif op == "arbitrary" and rows.n > 2:
+                mask = torch.rand(rows.n) > 0.3
+                rows.keep(mask)
+            elif op == "add":
+                rows.add_(torch.randn(rows.n, 3))
+        if step % 3 == 0:
+            rows.commit()
+            if rows.n > 200:
+                rows.keep(torch.arange(rows.n) >= rows.n - 60)
+            continue
+        rows.restore()
+        assert torch.equal(rows.view, before), f"step {step}"
+        assert rows.buf is buf_before  # the buffer of the checkpoint, even after a step that grew it
+    rows.restore()  # without a checkpoint: nothing happens
+    assert rows.n == rows.view.shape[0]

@@ -34,11 +34,19 @@ def test_aliases_print_canonically():
     ("fp16+g64", "group size only applies"),
     ("int4+sink4+sink8", "twice"),
     ("int4+window4096", "unknown part"),
+    ("int8+heavy256", "without 'win' nothing is evicted"),
+    ("fp16+sink4+heavy16", "add a window"),
 ])
 def test_invalid_forms_are_refused_with_the_reason(text, words):
     with pytest.raises(UserError) as err:
         KVPolicy.parse(text)
     assert words in str(err.value)
+
+
+def test_heavy_hitters_without_a_window_are_refused_when_built_directly_too():
+    with pytest.raises(UserError, match="drop 'heavy'"):
+        KVPolicy(bits=8, heavy=64)
+    assert KVPolicy(bits=8, sinks=4, window=512, heavy=64).capacity() == 580
 
 
 def test_exactness_and_capacity():

@@ -66,10 +66,22 @@ class ChatEngine:
             try:
                 for event in self.session.generate(messages, self.params, cancel):
                     emit(Streamed(turn, event))
-            except (UserError, RuntimeFailure) as exc:
+            except UserError as exc:  # refused before anything ran (the cache is as it was)
                 emit(Failed(turn, str(exc)))
+            except RuntimeFailure as exc:
+                emit(Failed(turn, f"{exc}{self._forget_cache()}"))
             except Exception as exc:  # a backend bug must not take the chat down with it
-                emit(Failed(turn, f"generation failed: {type(exc).__name__}: {exc}", traceback.format_exc()))
+                emit(Failed(turn, f"generation failed: {type(exc).__name__}: {exc}{self._forget_cache()}",
+                            traceback.format_exc()))
+
+    def _forget_cache(self) -> str:
+        """After a failure mid-answer: whatever the backend kept of the failed step, the next answer
+        starts from an empty cache (it prefills the conversation again)."""
+        try:
+            self.session.reset()
+        except Exception as exc:  # the session cannot even reset: say so, the next answer will fail too
+            return f"; the session could not be reset ({type(exc).__name__}: {exc}): re-plan with /kv or restart"
+        return "; the cached conversation was dropped, the next answer reads it again"
 
     def replan(self, kv: str | None, emit: Emit) -> None:
         """Opens a session with policy ``kv`` and swaps it in; the old one stays if that fails."""

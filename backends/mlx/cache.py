@@ -131,6 +131,17 @@ class LayerCache:
             self._evict(self.n_seen)
         return out
 
+    # -- undoing a step (a forward that raised part way through the layers) ------------------
+    def snapshot(self) -> tuple:
+        """The whole state. Every update rebinds these attributes to new arrays (MLX arrays and
+        the numpy index/mass arrays are never written in place), so holding them is a copy."""
+        return (self.store, self.q_ids, self.q_mass, self.k_full, self.v_full, self.f_ids, self.f_mass,
+                self.n_seen)
+
+    def restore(self, state: tuple) -> None:
+        (self.store, self.q_ids, self.q_mass, self.k_full, self.v_full, self.f_ids, self.f_mass,
+         self.n_seen) = state
+
     # -- rolling back to a prefix (a chat turn that rewrites the last answer) ------------
     def can_truncate(self, n: int) -> bool:
         """True when keeping only the first ``n`` streamed tokens is exact: nothing evicted yet
@@ -239,6 +250,14 @@ class ModelCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def snapshot(self) -> list[tuple]:
+        return [layer.snapshot() for layer in self.layers]
+
+    def restore(self, states: list[tuple]) -> None:
+        """Every layer back to ``snapshot()``'s state, whichever layers a failed step had reached."""
+        for layer, state in zip(self.layers, states):
+            layer.restore(state)
 
     def truncate(self, n: int) -> bool:
         """Roll every layer back to the first ``n`` tokens when that is exact; False otherwise."""

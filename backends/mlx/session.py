@@ -71,8 +71,14 @@ class MLXSession(Session):
         outs = []
         for start in range(0, len(tokens), chunk):
             part = tokens[start:start + chunk]
-            logits = self.model(mx.array(part, dtype=mx.int32), self.cache, last_only=not all_logits)
-            mx.eval(logits, *self.cache.arrays())
+            before = self.cache.snapshot()
+            try:
+                logits = self.model(mx.array(part, dtype=mx.int32), self.cache, last_only=not all_logits)
+                mx.eval(logits, *self.cache.arrays())
+            except BaseException:  # a layer raised, or the evaluation did: no layer keeps this chunk
+                self.cache.restore(before)
+                self.last_logits = None  # the cache now ends where ``fed`` does, with no logits for it
+                raise
             outs.append(np.array(logits))
             self.fed.extend(part)
         self.last_logits = outs[-1] if not all_logits else outs[-1][-1]

@@ -27,11 +27,16 @@ class Engine:
         self.device = model.device
 
     def _forward(self, seq_ids: Sequence[int], tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """One forward over the cache; when it raises (an allocation failure, an interrupt) in any
+        layer, the cache is rolled back to its state before the step, every layer alike."""
         self.cache.begin_step(seq_ids, tokens.shape[1])
         try:
-            return self.model.forward(tokens, self.cache, all_logits=all_logits)
-        finally:
-            self.cache.end_step()
+            logits = self.model.forward(tokens, self.cache, all_logits=all_logits)
+        except BaseException:
+            self.cache.abort_step()
+            raise
+        self.cache.end_step()
+        return logits
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Append ``token_ids`` to the sequence in chunks; returns the logits after the last one

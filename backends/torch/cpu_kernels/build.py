@@ -2,7 +2,10 @@
 
 The shared library is built with the system's C compiler (``$CC``, else ``cc``) for this CPU
 (``-O3 -march=native -fopenmp``) into the user cache, under a name that hashes the source, the
-flags and the machine, so an edited kernel or another CPU builds afresh. The build is written
+flags, the compiler (its path, version, and what ``-march=native`` means to it here, from its
+``-###`` dry run) and the CPU's feature flags (/proc/cpuinfo). An edited kernel, another compiler or
+a CPU with other features — a home folder shared between machines — builds afresh: a library
+built for other instructions is never loaded. The build is written
 under a temporary name and renamed into place, so two processes never load a half-written file.
 
 ``LOCALCTX_CPU_KERNELS=off`` keeps every call on the pure-torch references (to compare, or when a
@@ -14,12 +17,14 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from localctx.backends.llamacpp_build import cpu_flags
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware import cache_dir
 
@@ -52,11 +57,35 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC") or "cc")
 
 
+def cpu_features() -> str:
+    """This CPU's feature flags as the OS reports them (Linux); '' where it does not."""
+    return " ".join(sorted(cpu_flags()))
+
+
+@functools.cache
+def compiler_identity(compiler: str, flags: tuple[str, ...]) -> str:
+    """The compiler's version and the code-generation options ``flags`` expand to on this CPU:
+    the version line(s) and the compiler proper's command line from a ``-###`` dry run (nothing
+    is compiled), without file paths (temporary names differ per run). For GCC this names every
+    ``-m`` extension ``-march=native`` turns on or off; for clang the target CPU and features."""
+    try:
+        done = subprocess.run([compiler, *flags, "-###", "-x", "c", "-c", os.devnull, "-o", os.devnull],
+                              capture_output=True, text=True, timeout=60)
+        lines = (done.stdout + done.stderr).splitlines()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{os.path.realpath(compiler)}: no dry run ({type(exc).__name__})"
+    kept = [line.strip() for line in lines if " version " in line]
+    kept += [" ".join(t for t in line.split() if "/" not in t) for line in lines if re.search(r"cc1|-cc1\b", line)]
+    return "\n".join([os.path.realpath(compiler), *kept])
+
+
 def _target(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
+    """Where the build of ``source`` for this compiler, these flags and this CPU lives."""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(flags + COMMON).encode(),
-                 platform.machine().encode(), platform.node().encode()):
-        digest.update(part)
+    for part in (source.read_bytes(), compiler_identity(compiler, flags), " ".join(flags + COMMON),
+                 platform.machine(), cpu_features()):
+        digest.update(part if isinstance(part, bytes) else part.encode())
+        digest.update(b"\0")
     return cache_dir() / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
