@@ -141,14 +141,18 @@ class ContextShift:
             self.llm.eval(batch)
             self.stream.extend(batch)
 
-    def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float) -> Iterator[int]:
-        """Feeds the part of the prompt not yet streamed, then samples; each next() decodes one step."""
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """Feeds the part of the prompt not yet streamed (all of it when the stream diverged)."""
         cached = self.cached_prefix(prompt_ids)
         if cached == 0 and (self.stream or self.llm.n_tokens):
             self.llm.reset()
             self.llm._ctx.kv_cache_clear()
             self.reset()
         self.feed(prompt_ids[cached:])
+
+    def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float) -> Iterator[int]:
+        """Feeds the part of the prompt not yet streamed, then samples; each next() decodes one step."""
+        self.prefill(prompt_ids)
         self.llm._sampler = self.llm._init_sampler(top_k=top_k, top_p=top_p, min_p=0.0, temp=temperature,
                                                    repeat_penalty=1.0)
         while True:
