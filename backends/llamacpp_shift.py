@@ -106,8 +106,19 @@ class ContextShift:
         self.evicted = 0
 
     def cached_prefix(self, ids: list[int]) -> int:
+        """Tokens of ``ids`` the cache can keep: the whole stream when ``ids`` extends it; before
+        any eviction also the part up to the first differing token (an edited message); else 0."""
         n = len(self.stream)
-        return n if n < len(ids) and ids[:n] == self.stream else 0
+        if n < len(ids) and ids[:n] == self.stream:
+            return n
+        if self.evicted:
+            return 0
+        common = 0
+        for a, b in zip(self.stream, ids[:-1]):  # at least one token is evaluated again
+            if a != b:
+                break
+            common += 1
+        return common
 
     def _memory(self):
         import llama_cpp
@@ -148,6 +159,13 @@ class ContextShift:
             self.llm.reset()
             self.llm._ctx.kv_cache_clear()
             self.reset()
+        elif cached < len(self.stream):  # cells are still stream positions: drop those after the edit
+            import llama_cpp
+
+            if not llama_cpp.llama_memory_seq_rm(self._memory(), 0, cached, -1):
+                raise RuntimeError("llama.cpp refused to remove tokens from its KV cache")
+            self.llm.n_tokens = cached
+            del self.stream[cached:]
         self.feed(prompt_ids[cached:])
 
     def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float) -> Iterator[int]:

