@@ -243,7 +243,8 @@ class LlamaCppSession(Session):
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=cached, speculate=speculative.resolve(params.speculate, self.plan.policy))
-        source = self._drafted_tokens(ids, params, clock) if clock.speculate == "ngram" else self._tokens(ids, params, clock)
+        drafted = clock.speculate == "ngram"
+        source = self._drafted_tokens(ids, params, clock) if drafted else self._tokens(ids, params, clock)
         yield from stream(source,
                           token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
                           params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)

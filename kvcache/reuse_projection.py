@@ -34,7 +34,8 @@ class TTFT:
         return self.prefill_s + self.load_s
 
     def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "from_file": self.from_file,
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "from_file": self.from_file,
                 "prefill_s": round(self.prefill_s, 4), "load_s": round(self.load_s, 4), "ttft_s": round(self.seconds, 4)}
 
 

@@ -15,7 +15,8 @@ def register(sub) -> None:
                        description="The prompt cache: run, chat and summarize keep the KV of prompts of "
                                    f"{prompt_cache.MIN_TOKENS}+ tokens on disk and reuse it for prompts that start "
                                    f"the same way. Disk use is capped at ${prompt_cache.BUDGET_ENV} bytes "
-                                   f"(default {format_bytes(prompt_cache.DEFAULT_BUDGET)}), least recently used first out.")
+                                   f"(default {format_bytes(prompt_cache.DEFAULT_BUDGET)}), least recently used "
+                                   "first out.")
     verbs = p.add_subparsers(dest="verb", required=True, metavar="ls|rm|clear")
     ls = verbs.add_parser("ls", help="list the cached prompts, most recently used first")
     ls.add_argument("--json", action="store_true")
@@ -29,7 +30,8 @@ def row(e: prompt_cache.Entry) -> dict:
     m = e.meta
     return {"name": e.name, "path": str(e.path), "bytes": e.size, "tokens": int(m.get("n_tokens", 0) or 0),
             "backend": m.get("scope_backend", "?"), "policy": m.get("scope_policy", "?"),
-            "model_sha256": m.get("scope_model_hash", "?"), "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(e.used))}
+            "model_sha256": m.get("scope_model_hash", "?"),
+            "last_used": time.strftime("%Y-%m-%d %H:%M", time.localtime(e.used))}
 
 
 def handle(args: argparse.Namespace) -> int:

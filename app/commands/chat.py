@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import psutil
 
-from localctx.app.session_options import SessionRequest, add_prompt_cache_option, add_session_options, make_plan, open_session, resolve_model
+from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options, make_plan,
+                                          open_session, resolve_model)
 from localctx.backends import speculative
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes

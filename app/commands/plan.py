@@ -96,7 +96,8 @@ def _ttft(args: argparse.Namespace, spec, ctx, plan) -> list:
     n = args.prompt_tokens
     cached = args.cached_tokens if args.cached_tokens is not None else (n - 1) // CHUNK * CHUNK
     if not 0 <= cached < n:
-        raise UserError(f"--cached-tokens {cached} must be between 0 and {n - 1} (the last token is always prefilled)")
+        raise UserError(f"--cached-tokens {cached} must be between 0 and {n - 1} "
+                        "(the last token is always prefilled)")
     out = [reuse_projection.projected_ttft(ctx.speed, spec, plan.policy, n)]
     if cached:
         out.append(reuse_projection.projected_ttft(ctx.speed, spec, plan.policy, n, cached, from_file=True))

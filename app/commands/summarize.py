@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from localctx.app.session_options import SessionRequest, add_prompt_cache_option, add_session_options, open_session, resolve_model
+from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options, open_session,
+                                          resolve_model)
 from localctx.app.summarize.batch import EXIT_SOME_SKIPPED, BatchConfig, summarize
 from localctx.app.summarize.events import JsonEvents, RichEvents
 from localctx.app.summarize.jobs import Settings
