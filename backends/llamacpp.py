@@ -241,8 +241,9 @@ class LlamaCppSession(Session):
         ids = self.tokenize(prompt)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
+        speculate = speculative.resolve(params.speculate, self.plan.policy, batch_differs=True)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
-                           cached_tokens=cached, speculate=speculative.resolve(params.speculate, self.plan.policy))
+                           cached_tokens=cached, speculate=speculate)
         drafted = clock.speculate == "ngram"
         source = self._drafted_tokens(ids, params, clock) if drafted else self._tokens(ids, params, clock)
         yield from stream(source,

@@ -140,3 +140,25 @@ def test_rolled_back_policy_cache_equals_one_filled_token_by_token(tiny_head32):
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
     with pytest.raises(ValueError):
         cache.drop_newest(0, cache.length(0) + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["fp16", "int4", "int8+sink4+win96"])
+def test_greedy_output_is_identical_with_and_without_prompt_lookup_on_smollm2(kv):
+    import pydoc_data.topics as topics
+
+    from localctx.app.session_options import SessionRequest, open_session
+
+    prompts = [[{"role": "user", "content": "Copy this text exactly:\n\n" + topics.topics["calls"].strip()[:500]}],
+               [{"role": "user", "content": "List the days of the week, then list them again in reverse order."}]]
+    with open_session(SessionRequest(model=None, backend="torch", kv=kv, context=1024)) as s:
+        accepted = 0
+        for prompt in prompts:
+            runs = {}
+            for mode in ("off", "ngram"):
+                s.reset()
+                events = list(s.generate(prompt, GenerationParams(max_tokens=32, speculate=mode)))
+                runs[mode] = [e.token for e in events if e.kind == "token"]
+            assert runs["ngram"] == runs["off"]
+            accepted += events[-1].stats.accepted_tokens
+        assert accepted > 0
