@@ -8,7 +8,7 @@ import sys
 from localctx.kvcache.errors import RuntimeFailure, UserError
 
 # adding a subcommand = a module in localctx.app.commands with register(subparsers) + its name here
-COMMANDS = ("run", "chat", "summarize", "plan", "bench", "eval", "models", "pull", "serve")
+COMMANDS = ("run", "chat", "summarize", "plan", "bench", "eval", "models", "pull", "serve", "cache")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

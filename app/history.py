@@ -58,6 +58,7 @@ class TurnStats:
     kv_bytes: int = 0
     kv_tokens: int = 0
     evicted_tokens: int = 0
+    tokens_per_step: float = 0.0  # prompt lookup: answer tokens per decode forward (0: it did not run)
 
     @classmethod
     def from_stats(cls, stats: GenerationStats, finish_reason: str) -> "TurnStats":
@@ -65,7 +66,8 @@ class TurnStats:
                    prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                    generated_tokens=stats.generated_tokens, prefill_tok_s=stats.prefill_tok_s,
                    decode_tok_s=stats.decode_tok_s, kv_bytes=stats.kv_bytes, kv_tokens=stats.kv_tokens,
-                   evicted_tokens=stats.evicted_tokens)
+                   evicted_tokens=stats.evicted_tokens,
+                   tokens_per_step=stats.tokens_per_step if stats.speculate == "ngram" else 0.0)
 
 
 @dataclass

@@ -50,12 +50,13 @@ class SessionRequest:
     hardware: str | None = None  # a named profile to plan for (localctx plan --hardware); None = this machine
     heavy: bool = False  # let the planner consider heavy-hitter eviction (localctx plan --heavy)
     endpoints: tuple[str, ...] = ()  # --backend openai: the servers
+    prompt_cache: bool = False  # keep long prompts' KV on disk (run, chat, summarize)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "SessionRequest":
+    def from_args(cls, args: argparse.Namespace, prompt_cache: bool = False) -> "SessionRequest":
         return cls(model=args.model, backend=args.backend, kv=args.kv, context=args.context,
                    min_tok_s=args.min_tok_s, exact=args.exact, max_memory=args.max_memory,
-                   endpoints=tuple(args.endpoint))
+                   endpoints=tuple(args.endpoint), prompt_cache=prompt_cache)
 
     def plan_request(self) -> PlanRequest:
         return PlanRequest(context=self.context, min_tok_s=self.min_tok_s, exact=self.exact,
@@ -105,6 +106,11 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
     return plan
 
 
+def add_prompt_cache_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
+                        help="neither read nor write the KV of long prompts on disk (localctx cache ls)")
+
+
 def open_session(req: SessionRequest) -> Session:
     if req.backend == "openai":
         from localctx.backends.openai.remote import open_remote
@@ -117,4 +123,7 @@ def open_session(req: SessionRequest) -> Session:
     if refusals:
         raise UserError(f"backend {plan.backend} cannot run KV policy {plan.policy}: {'; '.join(refusals)}; "
                         "choose another --kv or --backend")
-    return backend.load(ref, plan)
+    session = backend.load(ref, plan)
+    if req.prompt_cache and ref.kind != "fake":
+        session.enable_prompt_cache(ref.path)  # a backend without one just says why; nothing to tell here
+    return session

@@ -29,6 +29,7 @@ class GenerationParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    speculate: str = "off"  # prompt-lookup drafts (backends/speculative.py): "auto", "ngram" or "off"
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,23 @@ class GenerationStats:
     policy: str
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the session's cache (not prefilled again)
+    loaded_tokens: int = 0  # of those, tokens read from the prompt cache on disk
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     kv_bytes: int = 0
     kv_tokens: int = 0  # tokens held in the cache now
     evicted_tokens: int = 0  # tokens dropped by a lossy policy so far in this session
+    speculate: str = "off"  # what ran: "ngram", "off", or "off (reason)" when asked for but not possible
+    decode_steps: int = 0  # forwards after prefill (a speculative one may yield several tokens)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # drafted tokens the model agreed with
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Answer tokens per decode forward (1.0 without speculation)."""
+        n = self.generated_tokens - 1
+        return n / self.decode_steps if self.decode_steps > 0 and n > 0 else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -59,6 +71,7 @@ class GenerationStats:
         d = asdict(self)
         d["prefill_tok_s"] = round(self.prefill_tok_s, 2)
         d["decode_tok_s"] = round(self.decode_tok_s, 2)
+        d["tokens_per_step"] = round(self.tokens_per_step, 3)
         return d
 
 
@@ -116,6 +129,7 @@ class Session(ABC):
     spec: ModelSpec
     plan: Plan
     backend_name: str
+    prompt_cache = None  # a kvcache.prompt_cache.PromptCache once enable_prompt_cache() succeeded
 
     @abstractmethod
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
@@ -135,6 +149,10 @@ class Session(ABC):
     @abstractmethod
     def count_tokens(self, prompt: Prompt) -> int:
         """Tokens the prompt takes once rendered (chat template included)."""
+
+    def enable_prompt_cache(self, model_path) -> str | None:
+        """Keep long prompts' KV on disk (kvcache/prompt_cache.py); returns why not, or None."""
+        return f"the {self.backend_name} backend keeps no prompt cache on disk"
 
     def reset(self) -> None:
         """Forget the cached conversation."""
@@ -190,16 +208,24 @@ class StatsClock:
     policy: str
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    loaded_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    speculate: str = "off"
+    decode_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def stats(self, kv_bytes: int, kv_tokens: int, evicted: int = 0) -> GenerationStats:
         return GenerationStats(backend=self.backend, policy=self.policy, prompt_tokens=self.prompt_tokens,
-                               cached_tokens=self.cached_tokens, generated_tokens=self.generated_tokens,
+                               cached_tokens=self.cached_tokens, loaded_tokens=self.loaded_tokens,
+                               generated_tokens=self.generated_tokens,
                                prefill_s=self.prefill_s, decode_s=self.decode_s, kv_bytes=kv_bytes,
-                               kv_tokens=kv_tokens, evicted_tokens=evicted)
+                               kv_tokens=kv_tokens, evicted_tokens=evicted, speculate=self.speculate,
+                               decode_steps=self.decode_steps, drafted_tokens=self.drafted_tokens,
+                               accepted_tokens=self.accepted_tokens)
 
 
 def with_template_stops(prompt: Prompt, params: GenerationParams, stops: tuple[str, ...]) -> GenerationParams:

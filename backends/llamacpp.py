@@ -15,18 +15,20 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from localctx.backends import llamacpp_shift
+from localctx.backends import llamacpp_disk_cache, llamacpp_shift, speculative
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp_alloc import N_UBATCH, held_bytes, swa_window
 from localctx.backends.model_spec import read_spec
+from localctx.backends.llamacpp_speculate import LlamaCppVerifier, last_logits
 from localctx.backends.modelref import ModelRef
 from localctx.backends.streaming import KVProbe, stream
+from localctx.kvcache import prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
-
+from localctx.kvcache.prompt_cache import PromptCache
 
 
 def default_threads() -> int:
@@ -211,7 +213,40 @@ class LlamaCppSession(Session):
                 return 0
         return reuse
 
-    def _tokens(self, prompt_ids: list[int], params: GenerationParams):
+    # -- the prompt cache on disk --------------------------------------------------------
+    def enable_prompt_cache(self, model_path: Path) -> str | None:
+        if self._shift:
+            return "a windowed llama.cpp session (context shift) keeps no prompt cache on disk"
+        s, policy = self.settings, str(self.plan.policy)
+        self.prompt_cache = PromptCache(lambda: llamacpp_disk_cache.scope(
+            prompt_cache.model_hash(model_path), policy, s.type_k, s.type_v, s.flash_attn))
+        return None
+
+    def _disk_prefix(self, prompt_ids: list[int], clock: StatsClock) -> None:
+        """Before prefill: load a file that covers more of the prompt than the context does, and
+        evaluate up to the prompt's last chunk boundary and save that to disk."""
+        store = self.prompt_cache
+        if store is None:
+            return
+        start = self._cached_prefix(prompt_ids)
+        hit = store.lookup(prompt_ids, len(prompt_ids) - 1)
+        if hit is not None and hit.n_tokens > start:
+            if llamacpp_disk_cache.load(self.llm, hit):
+                start = clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
+            else:
+                store.notice("prompt cache: llama.cpp refused a state file; prefilling instead")
+                start = 0
+        save_at = prompt_cache.save_point(len(prompt_ids), start)
+        if save_at:
+            self.llm.n_tokens = start  # eval removes the cells from here on before decoding
+            self.llm.eval(prompt_ids[start:save_at])
+            try:
+                llamacpp_disk_cache.save(store, self.llm, prompt_ids[:save_at], save_at * self._bytes_per_token)
+            except OSError as exc:
+                store.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
+
+    def _tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):
+        self._disk_prefix(prompt_ids, clock)
         if params.seed is not None:
             self.llm.set_seed(params.seed)
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
@@ -224,15 +259,42 @@ class LlamaCppSession(Session):
                 return "context"
         return "stop"
 
+    def _prefill(self, prompt_ids: list[int]) -> None:
+        """Evaluate what of the prompt is not cached (llama-cpp-python's own prefix rule)."""
+        if self._shift:
+            self._shift.prefill(prompt_ids)
+            return
+        cached = self._cached_prefix(prompt_ids)
+        if cached == 0:
+            self.llm.reset()
+        self.llm.n_tokens = cached  # eval removes the cells from here on before decoding
+        self.llm.eval(prompt_ids[cached:])
+
+    def _drafted_tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):
+        self._disk_prefix(prompt_ids, clock)
+        self._prefill(prompt_ids)
+        verifier = LlamaCppVerifier(self.llm, self.plan.context, self._shift)
+        try:
+            tokens = speculative.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock)
+            for token in tokens:
+                yield token
+                if not self._shift and self.llm.n_tokens >= self.plan.context:
+                    return "context"
+        finally:
+            verifier.close()
+
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         ids = self.tokenize(prompt)
         params = with_template_stops(prompt, params, self.template.stops)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
+        speculate = speculative.resolve(params.speculate, self.plan.policy, batch_differs=True)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
-                           cached_tokens=cached)
-        yield from stream(self._tokens(ids, params),
+                           cached_tokens=cached, speculate=speculate)
+        drafted = clock.speculate == "ngram"
+        source = self._drafted_tokens(ids, params, clock) if drafted else self._tokens(ids, params, clock)
+        yield from stream(source,
                           token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
                           params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)
 

@@ -119,8 +119,19 @@ class ContextShift:
         self.evicted = 0
 
     def cached_prefix(self, ids: list[int]) -> int:
+        """Tokens of ``ids`` the cache can keep: the whole stream when ``ids`` extends it; before
+        any eviction also the part up to the first differing token (an edited message); else 0."""
         n = len(self.stream)
-        return n if n < len(ids) and ids[:n] == self.stream else 0
+        if n < len(ids) and ids[:n] == self.stream:
+            return n
+        if self.evicted:
+            return 0
+        common = 0
+        for a, b in zip(self.stream, ids[:-1]):  # at least one token is evaluated again
+            if a != b:
+                break
+            common += 1
+        return common
 
     def _memory(self):
         import llama_cpp
@@ -154,14 +165,25 @@ class ContextShift:
             self.llm.eval(batch)
             self.stream.extend(batch)
 
-    def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float) -> Iterator[int]:
-        """Feeds the part of the prompt not yet streamed, then samples; each next() decodes one step."""
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """Feeds the part of the prompt not yet streamed (all of it when the stream diverged)."""
         cached = self.cached_prefix(prompt_ids)
         if cached == 0 and (self.stream or self.llm.n_tokens):
             self.llm.reset()
             self.llm._ctx.kv_cache_clear()
             self.reset()
+        elif cached < len(self.stream):  # cells are still stream positions: drop those after the edit
+            import llama_cpp
+
+            if not llama_cpp.llama_memory_seq_rm(self._memory(), 0, cached, -1):
+                raise RuntimeError("llama.cpp refused to remove tokens from its KV cache")
+            self.llm.n_tokens = cached
+            del self.stream[cached:]
         self.feed(prompt_ids[cached:])
+
+    def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float) -> Iterator[int]:
+        """Feeds the part of the prompt not yet streamed, then samples; each next() decodes one step."""
+        self.prefill(prompt_ids)
         self.llm._sampler = self.llm._init_sampler(top_k=top_k, top_p=top_p, min_p=0.0, temp=temperature,
                                                    repeat_penalty=1.0)
         while True:

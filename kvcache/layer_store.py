@@ -187,6 +187,13 @@ class LayerStore:
         return [self.qk_codes, self.qk_scale, self.qk_min, self.qv_codes, self.qv_scale, self.qv_min,
                 self.q_idx, self.q_mass]
 
+    def rows(self) -> dict[str, Rows]:
+        """Every row store this layer keeps, by name (what a prompt-cache file holds)."""
+        names = ["full_k", "full_v"] + ([] if self.window_only else ["full_idx", "full_mass"])
+        if self.quantizes:
+            names += ["qk_codes", "qk_scale", "qk_min", "qv_codes", "qv_scale", "qv_min", "q_idx", "q_mass"]
+        return {name: getattr(self, name) for name in names}
+
     @property
     def n_groups(self) -> int:
         return self.q_idx.n if self.quantizes else 0
@@ -331,3 +338,10 @@ class LayerStore:
                 rows.drop_run(n_tokens, rows.n - n_tokens)
         else:
             self.keep_full(self.full_idx.view < n_tokens)
+
+    def drop_newest(self, n_tokens: int) -> None:
+        """Forget the newest ``n_tokens`` full-precision rows (a step that only appended)."""
+        if not 0 <= n_tokens <= self.full_k.n:
+            raise ValueError(f"cannot drop {n_tokens} of {self.full_k.n} full-precision rows")
+        for rows in self._full_rows:
+            rows.n -= n_tokens

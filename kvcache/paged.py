@@ -91,6 +91,39 @@ class PagedKVCache:
         diverged from what is cached keeps only the common prefix)."""
         self.pool.truncate(seq_id, n_tokens)
 
+    def append_room(self, seq_id: int, limit: int = 64) -> int:
+        """Tokens the next step can append and ``drop_newest`` undo exactly: any (up to ``limit``),
+        since nothing here is quantized or evicted."""
+        return limit
+
+    def drop_newest(self, seq_id: int, n_tokens: int) -> None:
+        """Forget the last ``n_tokens`` of the sequence (speculative decoding's rollback)."""
+        self.truncate(seq_id, self.pool.length(seq_id) - n_tokens)
+
+    # -- the prompt cache on disk (kvcache/prompt_cache.py) -----------------------------------
+    def export_sequence(self, seq_id: int, n_tokens: int) -> dict[str, torch.Tensor]:
+        """The first ``n_tokens`` of the sequence as {"k", "v"}: [n_layers, n, n_kv_heads, head_dim]
+        each, keys rotated as stored."""
+        s = self.shape
+        blocks = torch.tensor(self.pool.block_table(seq_id)[:self.pool.blocks_for(n_tokens)], device=s.device)
+        flat = (s.n_layers, -1, s.n_kv_heads, s.head_dim)
+        return {"k": self.k[:, blocks].reshape(flat)[:, :n_tokens], "v": self.v[:, blocks].reshape(flat)[:, :n_tokens]}
+
+    def import_sequence(self, seq_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A new sequence holding what ``export_sequence`` gave (its token count from the tensors)."""
+        k, v = tensors["k"], tensors["v"]
+        n = k.shape[1]
+        self.pool.admit(seq_id, n)
+        self.pool.grow(seq_id, n)
+        bs, s = self.shape.block_size, self.shape
+        table = torch.tensor(self.pool.block_table(seq_id), dtype=torch.long, device=s.device)
+        pos = torch.arange(n, device=s.device)
+        slots = table[pos // bs] * bs + pos % bs
+        flat = (-1, s.n_kv_heads, s.head_dim)
+        for layer in range(s.n_layers):
+            self.k[layer].view(flat).index_copy_(0, slots, k[layer].to(device=s.device, dtype=s.dtype))
+            self.v[layer].view(flat).index_copy_(0, slots, v[layer].to(device=s.device, dtype=s.dtype))
+
     def reset(self) -> None:
         self.pool.reset()
 

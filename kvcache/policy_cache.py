@@ -157,6 +157,89 @@ class PolicyKVCache:
             seq.n_seen = n_tokens
         self._sync_pool(seq_id)
 
+    # -- undoing the newest tokens (speculative decoding's rollback) -----------------------------
+    def append_room(self, seq_id: int, limit: int = 64) -> int:
+        """Tokens (up to ``limit``) the next step can append with nothing quantized or evicted on
+        the way: attending them in one step then equals attending them one at a time, and
+        ``drop_newest`` undoes any number of them exactly. 0 when the very next token ages a group
+        or evicts, and always 0 while attention mass is tracked (heavy hitters: every query adds
+        mass to every held token, which dropping the query cannot take back)."""
+        if self.track_mass:
+            return 0
+        n = self._seq(seq_id).n_seen
+        base = eviction.held_counts(self.policy, n)
+        room = 0
+        while room < limit:
+            after = eviction.held_counts(self.policy, n + room + 1)
+            if after.quant_groups != base.quant_groups or after.tokens != base.tokens + room + 1:
+                break
+            room += 1
+        return room
+
+    @torch.inference_mode()
+    def drop_newest(self, seq_id: int, n_tokens: int) -> None:
+        """Forget the last ``n_tokens`` of the sequence, appended by a step within ``append_room``
+        (they are the newest full-precision rows of every layer; nothing else changed)."""
+        if n_tokens <= 0:
+            return
+        seq = self._seq(seq_id)
+        keep = seq.n_seen - n_tokens
+        now, then = eviction.held_counts(self.policy, seq.n_seen), eviction.held_counts(self.policy, keep)
+        if keep < 0 or now.quant_groups != then.quant_groups or now.tokens != then.tokens + n_tokens:
+            raise ValueError(f"the last {n_tokens} of {seq.n_seen} tokens were not a plain append under KV policy "
+                             f"{self.policy}: they cannot be dropped exactly")
+        for layer in seq.layers:
+            layer.drop_newest(n_tokens)
+        seq.n_seen = keep
+        self._sync_pool(seq_id)
+
+    # -- the prompt cache on disk (kvcache/prompt_cache.py) ---------------------------------------
+    _IMPLIED = ("full_idx", "full_mass", "q_idx", "q_mass")
+
+    def export_sequence(self, seq_id: int) -> dict[str, torch.Tensor]:
+        """The whole sequence in its own format: each store's filled rows stacked over layers
+        (quantized codes and scales as held), plus its stream length and window start. Without
+        heavy hitters the stream indices follow from the counts and the mass is unused, so only
+        the K/V payload is written."""
+        seq = self._seq(seq_id)
+        skip = () if self.heavy_units else self._IMPLIED
+        out = {name: torch.stack([layer.rows()[name].view for layer in seq.layers])
+               for name in seq.layers[0].rows() if name not in skip}
+        out["n_seen"] = torch.tensor([seq.n_seen, seq.layers[0].main_start], dtype=torch.long)
+        return out
+
+    def _implied_rows(self, n_seen: int, n_full: int, n_groups: int) -> dict[str, torch.Tensor]:
+        """Stream indices (and zero mass) of a store without heavy hitters: the sinks, then the
+        newest tokens as one run — head group, quantized groups, full-precision tail, in order."""
+        p, dev = self.policy, self.shape.device
+        g, sinks = p.group_size, min(p.sinks, n_seen)
+        held = n_full + n_groups * g
+        run = torch.arange(n_seen - (held - sinks), n_seen, device=dev)
+        head = eviction.head_groups(p) * g if n_groups else 0
+        full_idx = torch.cat([torch.arange(sinks, device=dev), run[:head], run[head + n_groups * g:]])
+        q_idx = run[head:head + n_groups * g].reshape(n_groups, g)
+        return {"full_idx": full_idx, "full_mass": torch.zeros(n_full, device=dev),
+                "q_idx": q_idx, "q_mass": torch.zeros(n_groups, g, device=dev)}
+
+    @torch.inference_mode()
+    def import_sequence(self, seq_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A new sequence holding what ``export_sequence`` gave."""
+        n_seen, main_start = (int(x) for x in tensors["n_seen"])
+        layers = self._new_layers()
+        names = set(layers[0].rows()) - (set() if self.heavy_units else set(self._IMPLIED))
+        if names != set(tensors) - {"n_seen"}:
+            raise ValueError(f"the tensors {sorted(set(tensors) - {'n_seen'})} are not this policy's {sorted(names)}")
+        n_full = tensors["full_k"].shape[1]
+        n_groups = tensors["qk_codes"].shape[1] if "qk_codes" in tensors else 0
+        implied = {} if self.heavy_units else self._implied_rows(n_seen, n_full, n_groups)
+        for i, layer in enumerate(layers):
+            for name, rows in layer.rows().items():
+                rows.append(implied[name] if name in implied else tensors[name][i].to(rows.buf.device))
+            layer.main_start = main_start
+        self.pool.admit(seq_id, layers[0].n_tokens)
+        self._seqs[seq_id] = _Sequence(layers, n_seen=n_seen)
+        self._sync_pool(seq_id)
+
     # -- accounting ----------------------------------------------------------------------------
     def kv_bytes(self, seq_id: int | None = None) -> int:
         return sum(layer.nbytes for s in self._ids(seq_id) for layer in self._seqs[s].layers)

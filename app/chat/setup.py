@@ -13,7 +13,7 @@ class ChatSetup:
     session: Session  # already loaded: a bad model is a one-line error before the TUI starts
     reopen: Reopen  # a new session with another KV policy, for /kv
     history: History
-    params: GenerationParams = GenerationParams(max_tokens=1024)
+    params: GenerationParams = GenerationParams(max_tokens=1024, speculate="auto")
     hardware: str = ""  # shown when the plan does not name the hardware
     system: str = ""  # system prompt of new chats
     resume: bool = False  # open the most recent saved chat instead of a new one

@@ -9,7 +9,9 @@ from dataclasses import replace
 
 import psutil
 
-from localctx.app.session_options import SessionRequest, add_session_options, make_plan, open_session, resolve_model
+from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options, make_plan,
+                                          open_session, resolve_model)
+from localctx.backends import speculative
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
@@ -20,9 +22,12 @@ def register(sub) -> None:
                        description="Chat with a local model. Enter sends, Escape stops, Ctrl+N starts a new "
                                    "chat, Ctrl+O lists saved chats, F2 shows the plan, /help lists commands.")
     add_session_options(p)
+    add_prompt_cache_option(p)
     p.add_argument("--system", default="", help="system prompt for new chats")
     p.add_argument("--max-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--speculate", default="auto", choices=speculative.MODES,
+                   help="prompt-lookup drafts: auto (default), ngram, off")
     p.add_argument("--resume", action="store_true", help="open the most recent saved chat")
     p.set_defaults(handler=handle)
 
@@ -37,7 +42,7 @@ def params_from(args: argparse.Namespace) -> GenerationParams:
         raise UserError(f"--max-tokens {args.max_tokens} must be at least 1")
     if args.temperature < 0:
         raise UserError(f"--temperature {args.temperature} must be 0 (greedy) or more")
-    return GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    return GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, speculate=args.speculate)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -47,7 +52,7 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.history import History
 
     params = params_from(args)
-    request = SessionRequest.from_args(args)
+    request = SessionRequest.from_args(args, prompt_cache=args.prompt_cache)
     make_plan(request, resolve_model(request)[1])  # a bad -m / --kv / --context fails here, before anything loads
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UserError("localctx chat needs a terminal (stdin and stdout); for piped or scripted use, "

@@ -12,10 +12,11 @@ from localctx.backends.hardware import profile_names, resolve_hardware
 from localctx.backends.model_spec import hub_config_spec
 from localctx.backends.modelref import is_repo_id
 from localctx.backends.planning import calibrate_and_save, choose_backend, planning_context
-from localctx.kvcache import known_models
+from localctx.kvcache import known_models, reuse_projection
 from localctx.kvcache.cost import format_bytes, full_bytes_per_token
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.planner import NoPlanFits, budget, projection_contexts, projections
+from localctx.kvcache.prompt_cache import CHUNK
 from localctx.kvcache.spec import ModelSpec, describe_layout
 
 
@@ -32,6 +33,11 @@ def register(sub) -> None:
                    help="measure the backend's decode cost per KV format on this machine first (llama.cpp by "
                         "default, about a minute; --backend torch: with its current settings, about two minutes)")
     p.add_argument("--list-hardware", action="store_true", help="list the named hardware profiles")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="also project the time to first token of an N-token prompt, cold and with a cached prefix")
+    p.add_argument("--cached-tokens", type=int, default=None, metavar="M",
+                   help="the cached prefix for that projection (default: all but the last 512 tokens, as a "
+                        "prompt-cache file would hold)")
     p.set_defaults(handler=handle)
 
 
@@ -74,14 +80,38 @@ def handle(args: argparse.Namespace) -> int:
     except NoPlanFits as exc:
         return _refused(args, spec, ctx, exc)
     rows = projections(plan, spec, ctx.speed, projection_contexts(spec, plan.context), b.kv, ctx.backend)
+    ttft = _ttft(args, spec, ctx, plan)
     if args.json:
         print(json.dumps({"model": spec.to_dict(), "model_source": source, "hardware": ctx.hardware.to_dict(),
                           "plan": plan.to_dict(), "budget_kv_bytes": b.kv,
                           "calibration": ctx.speed.calibration.source if ctx.speed.calibration else None,
-                          "projections": [r.__dict__ for r in rows]}, indent=2))
+                          "projections": [r.__dict__ for r in rows], "decode_note": reuse_projection.DECODE_NOTE,
+                          "ttft": [t.to_dict() for t in ttft]}, indent=2))
         return 0
     _print_plan(spec, source, ctx, plan, rows)
+    for t in ttft:
+        where = "cold" if not t.cached_tokens else f"{t.cached_tokens:,} tokens cached" + (
+            f" (a prompt-cache file, ≈ {t.load_s:.2f} s to read)" if t.from_file else "")
+        print(f"  time to first token, {t.prompt_tokens:,}-token prompt, {where}: ≈ {t.seconds:.2f} s")
+    print(f"\nnote: {reuse_projection.DECODE_NOTE}")
     return 0
+
+
+def _ttft(args: argparse.Namespace, spec, ctx, plan) -> list:
+    """Cold and cached time-to-first-token projections for --prompt-tokens (empty without it)."""
+    if args.prompt_tokens is None:
+        return []
+    if args.prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens {args.prompt_tokens} must be at least 1")
+    n = args.prompt_tokens
+    cached = args.cached_tokens if args.cached_tokens is not None else (n - 1) // CHUNK * CHUNK
+    if not 0 <= cached < n:
+        raise UserError(f"--cached-tokens {cached} must be between 0 and {n - 1} "
+                        "(the last token is always prefilled)")
+    out = [reuse_projection.projected_ttft(ctx.speed, spec, plan.policy, n)]
+    if cached:
+        out.append(reuse_projection.projected_ttft(ctx.speed, spec, plan.policy, n, cached, from_file=True))
+    return [t for t in out if t is not None]
 
 
 def _calibrate(args: argparse.Namespace) -> None:

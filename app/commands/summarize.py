@@ -5,7 +5,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from localctx.app.session_options import SessionRequest, add_session_options, open_session, resolve_model
+from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options, open_session,
+                                          resolve_model)
 from localctx.app.summarize.batch import EXIT_SOME_SKIPPED, BatchConfig, summarize
 from localctx.app.summarize.events import JsonEvents, RichEvents
 from localctx.app.summarize.jobs import Settings
@@ -41,6 +42,7 @@ def register(sub) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="files and folders to summarise")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the summaries and the report")
     add_session_options(p)
+    add_prompt_cache_option(p)
     p.add_argument("--mode", choices=("map-reduce", "refine"), default="map-reduce",
                    help="map-reduce (default: chunks summarised in parallel, then combined) or refine "
                         "(a running summary extended chunk by chunk)")
@@ -92,7 +94,7 @@ def handle(args: argparse.Namespace) -> int:
     missing = [p for p in args.paths if not Path(p).expanduser().exists()]
     if missing:  # before loading a model
         raise UserError(f"input not found: {', '.join(missing)}; give existing files or folders")
-    req = SessionRequest.from_args(args)
+    req = SessionRequest.from_args(args, prompt_cache=args.prompt_cache)
     config = BatchConfig(paths=tuple(args.paths), out_dir=out_dir, settings=settings, model_id=model_id(req))
     events = JsonEvents() if args.json else RichEvents()
     try:

@@ -44,7 +44,7 @@ class Runner:
         self.settings = settings
         self.events = events
         self.identity = identity  # model, backend, policy: goes into every cache key and fingerprint
-        self.params = GenerationParams(max_tokens=settings.summary_tokens, temperature=0.0)
+        self.params = GenerationParams(max_tokens=settings.summary_tokens, temperature=0.0, speculate="auto")
         self.totals = Totals()
         self.records: list[dict] = []
 

@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 from typing import Iterator, Sequence
 
+import torch
+
+from localctx.backends import speculative
 from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session, StatsClock,
                                     check_prompt_fits, with_template_stops)
 from localctx.backends.chat_template import ChatTemplate
 from localctx.backends.streaming import KVProbe, stream
 from localctx.backends.torch.engine import Engine
 from localctx.backends.torch.sampling import Sampler
+from localctx.backends.torch import disk_cache
+from localctx.backends.torch.speculate import TorchVerifier
 from localctx.backends.torch.tokenizer import TextTokenizer
+from localctx.kvcache import prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
+from localctx.kvcache.prompt_cache import PromptCache
 from localctx.kvcache.spec import ModelSpec
 
 CONVERSATION = 0
@@ -81,6 +89,35 @@ class TorchSession(Session):
     def close(self) -> None:
         self.reset()
 
+    # -- the prompt cache on disk ---------------------------------------------------------
+    def enable_prompt_cache(self, model_path: Path) -> str | None:
+        if not model_path.is_file():
+            return "the prompt cache keys on a single model file; this model is a folder"
+        policy, cache = str(self.plan.policy), self.engine.cache
+        self.prompt_cache = PromptCache(lambda: disk_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
+        return None
+
+    def _load_from_disk(self, ids: list[int], reused: int, clock: StatsClock) -> int:
+        """Replace the conversation's cache with a file's when that reuses more of ``ids``;
+        returns the tokens now cached."""
+        if self.prompt_cache is None:
+            return reused
+        cache = self.engine.cache
+        hit = disk_cache.lookup(self.prompt_cache, cache, ids, len(ids) - 1)
+        if hit is None or hit.n_tokens <= reused:
+            return reused
+        cache.finish(CONVERSATION)
+        disk_cache.load(cache, CONVERSATION, hit)
+        self.history[:] = ids[:hit.n_tokens]
+        clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
+        return hit.n_tokens
+
+    def _save_to_disk(self, tokens: list[int]) -> None:
+        try:
+            disk_cache.save(self.prompt_cache, self.engine.cache, CONVERSATION, tokens)
+        except OSError as exc:  # a full or read-only disk costs the cache, not the answer
+            self.prompt_cache.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
+
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
@@ -96,26 +133,45 @@ class TorchSession(Session):
         cache.truncate(CONVERSATION, reused)
         self.history = self.history[:reused]
         clock = StatsClock(backend="torch", policy=str(self.plan.policy), prompt_tokens=len(ids),
-                           cached_tokens=reused)
+                           cached_tokens=reused, speculate=speculative.resolve(params.speculate, self.plan.policy))
         sampler = Sampler(params)
+
+        def prefill() -> torch.Tensor:
+            start = self._load_from_disk(ids, reused, clock)
+            save_at = prompt_cache.save_point(len(ids), start) if self.prompt_cache is not None else 0
+            try:
+                if save_at:  # the prompt's cache at its last chunk boundary goes to disk on the way
+                    self.engine.prefill(CONVERSATION, ids[start:save_at])
+                    self.history.extend(ids[start:save_at])
+                    start = save_at
+                    self._save_to_disk(ids[:save_at])
+                logits = self.engine.prefill(CONVERSATION, ids[start:])
+            except BaseException:
+                keep = len(self.history) if cache.can_truncate(CONVERSATION, len(self.history)) else 0
+                cache.truncate(CONVERSATION, keep)  # keep cache and history in step
+                del self.history[keep:]
+                raise
+            self.history.extend(ids[start:])
+            return logits
+
+        def drafted_tokens() -> Iterator[int]:
+            with self._lock:
+                first = prefill().float().cpu().numpy()
+                limit = None if self.plan.policy.evicts else self.plan.context
+                verifier = TorchVerifier(self.engine, CONVERSATION, self.history, limit)
+                yield from speculative.speculative_tokens(verifier, ids, first, params, clock)
 
         def tokens() -> Iterator[int]:
             with self._lock:
-                try:
-                    logits = self.engine.prefill(CONVERSATION, ids[reused:])
-                except BaseException:
-                    keep = len(self.history) if cache.can_truncate(CONVERSATION, len(self.history)) else 0
-                    cache.truncate(CONVERSATION, keep)  # keep cache and history in step
-                    del self.history[keep:]
-                    raise
-                self.history.extend(ids[reused:])
+                logits = prefill()
                 while True:
                     tok = sampler.sample(logits)
                     yield tok
                     logits = self.engine.decode([CONVERSATION], [tok])[0]
                     self.history.append(tok)
 
-        yield from stream(tokens(), token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos_ids,
+        source = drafted_tokens() if clock.speculate == "ngram" else tokens()
+        yield from stream(source, token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos_ids,
                           params=params, clock=clock, probe=self.kv_probe(CONVERSATION), cancel=cancel)
 
     def generate_batch(self, prompts: Sequence[Prompt], params: GenerationParams = GenerationParams(),

@@ -15,6 +15,8 @@ def stats_line(stats: TurnStats) -> str:
     parts = [f"{stats.generated_tokens:,} tokens"]
     if stats.decode_tok_s:
         parts.append(f"decode {stats.decode_tok_s:,.1f} tok/s")
+    if stats.tokens_per_step:
+        parts.append(f"{stats.tokens_per_step:.2f} tokens/step (prompt lookup)")
     if stats.prefill_tok_s:
         parts.append(f"prefill {stats.prefill_tok_s:,.1f} tok/s")
     parts.append(f"{stats.prompt_tokens - stats.cached_tokens:,} of {stats.prompt_tokens:,} prompt tokens prefilled")

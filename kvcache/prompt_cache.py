@@ -1,0 +1,250 @@
+"""The prompt cache on disk: the KV of long prompts, kept in the user cache directory so that a
+later prompt that starts with the same tokens loads it and prefills only the rest.
+
+Where: ``<cache dir>/prompts/<scope>/<prefix hash>.safetensors`` (``kvcache/prompt_file.py``).
+A scope is one (model content hash, backend, KV policy, cache layout); a file holds the cache
+of one token prefix, in the cache's own format (quantized groups stay quantized, a window keeps
+its positions), and its metadata lists a hash of every CHUNK-token prefix of those tokens.
+
+Prefixes are saved and reused at multiples of CHUNK (the backends' prefill chunk), so a prompt
+continued from a file is prefilled in exactly the chunks a cold run uses: the output is the cold
+run's, bit for bit. A file is used only if its metadata names this scope and its length and
+checksum hold; otherwise it is removed with a one-line notice. Disk use is bounded: after each
+write the least recently used files (mtime, touched on every hit) go until the total fits."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from localctx.kvcache import prompt_file
+from localctx.kvcache.hardware import cache_dir
+from localctx.kvcache.prompt_file import BadPromptFile, PromptFile
+
+CHUNK = 512  # = the prefill chunk of the torch engine and llama.cpp's n_batch
+MIN_TOKENS = 512  # shorter prompts are not worth a file
+BUDGET_ENV = "LOCALCTX_PROMPT_CACHE_BYTES"
+DEFAULT_BUDGET = 4 << 30
+SUFFIX = ".safetensors"
+
+
+def root() -> Path:
+    return cache_dir() / "prompts"
+
+
+def budget_bytes() -> int:
+    raw = os.environ.get(BUDGET_ENV)
+    try:
+        return int(raw) if raw else DEFAULT_BUDGET
+    except ValueError:
+        return DEFAULT_BUDGET
+
+
+def stderr_notice(line: str) -> None:
+    print(f"localctx: {line}", file=sys.stderr)
+
+
+# -- the model's content hash, computed once per (path, size, mtime) -----------------------------------
+def model_hash(path: Path) -> str:
+    """SHA-256 of the model file's bytes; remembered in the cache directory against the file's
+    path, size and mtime, so it is read once (a file swapped in place gets a new hash)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    memo_path = root() / "model-hashes.json"
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if isinstance(memo, dict) and isinstance(memo.get(key), str):
+        return memo[key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    value = digest.hexdigest()
+    memo = {k: v for k, v in (memo if isinstance(memo, dict) else {}).items() if not k.startswith(f"{path}|")}
+    memo[key] = value
+    memo_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(memo))
+    os.replace(tmp, memo_path)
+    return value
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheScope:
+    model_hash: str
+    backend: str
+    policy: str
+    layout: str  # what else the bytes depend on: dtype, KV types, shapes
+
+    def key(self) -> str:
+        return hashlib.sha256("|".join(asdict(self).values()).encode()).hexdigest()[:20]
+
+    def metadata(self) -> dict[str, str]:
+        return {f"scope_{k}": v for k, v in asdict(self).items()}
+
+
+def chunk_hashes(tokens: Sequence[int], n_chunks: int | None = None) -> list[str]:
+    """Hash of every CHUNK-token prefix (one running digest, so the cost is one pass)."""
+    arr = np.asarray(tokens, dtype=np.int32)
+    total = len(arr) // CHUNK if n_chunks is None else min(n_chunks, len(arr) // CHUNK)
+    digest = hashlib.sha256()
+    out = []
+    for i in range(total):
+        digest.update(arr[i * CHUNK:(i + 1) * CHUNK].tobytes())
+        out.append(digest.copy().hexdigest()[:16])
+    return out
+
+
+def save_point(n_prompt: int, reused: int) -> int:
+    """Where to save a prompt's cache: the last CHUNK boundary before its final token, when the
+    prefill since ``reused`` runs in whole chunks from 0 (else 0: nothing to save)."""
+    at = (n_prompt - 1) // CHUNK * CHUNK
+    return at if at >= MIN_TOKENS and at > reused and reused % CHUNK == 0 else 0
+
+
+@dataclass
+class Hit:
+    file: PromptFile
+    n_tokens: int  # tokens of the file this prompt can use (a CHUNK multiple)
+
+
+class PromptCache:
+    """``scope`` is made on first use (it hashes the model file, once per file version), so a
+    session that never sees a long prompt never reads the model file again."""
+
+    def __init__(self, scope: Callable[[], CacheScope], notice: Callable[[str], None] = stderr_notice):
+        self._make_scope = scope
+        self._scope: CacheScope | None = None
+        self.notice = notice
+
+    @property
+    def scope(self) -> CacheScope:
+        if self._scope is None:
+            self._scope = self._make_scope()
+        return self._scope
+
+    @property
+    def folder(self) -> Path:
+        return root() / self.scope.key()
+
+    def _reject(self, path: Path, why: str) -> None:
+        self.notice(f"prompt cache: ignoring {path.name}: {why}; removed it")
+        path.unlink(missing_ok=True)
+
+    def _candidates(self, hashes: list[str]) -> list[tuple[int, int, Path]]:
+        """(usable chunks, stored chunks, path), best first, from the headers alone."""
+        out = []
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                header, _ = prompt_file.read_header(path)
+            except BadPromptFile as exc:
+                self._reject(path, str(exc))
+                continue
+            meta = header["__metadata__"]
+            if any(meta.get(k) != v for k, v in self.scope.metadata().items()):
+                self._reject(path, "it was made for another model, backend, KV policy or layout")
+                continue
+            try:
+                stored = json.loads(meta.get("chunk_hashes", "[]"))
+            except ValueError:
+                self._reject(path, "its prefix list is unreadable")
+                continue
+            n = 0
+            while n < min(len(stored), len(hashes)) and stored[n] == hashes[n]:
+                n += 1
+            if n:
+                out.append((n, len(stored), path))
+        return sorted(out, key=lambda c: (-c[0], c[1]))
+
+    def lookup(self, tokens: Sequence[int], limit: int, whole_only: bool = False) -> Hit | None:
+        """The file sharing the longest CHUNK-aligned prefix with ``tokens`` (at most ``limit``
+        tokens). ``whole_only``: the cache cannot be cut back, so only files used whole count."""
+        if limit < CHUNK or not self.folder.is_dir():
+            return None
+        hashes = chunk_hashes(tokens, limit // CHUNK)
+        for usable, stored, path in self._candidates(hashes):
+            if whole_only and usable != stored:
+                continue
+            try:
+                f = prompt_file.read(path)
+            except BadPromptFile as exc:
+                self._reject(path, str(exc))
+                continue
+            n = usable * CHUNK
+            if not np.array_equal(f.tensors["tokens"][:n], np.asarray(tokens[:n], dtype=np.int32)):
+                continue  # a hash collision: not this prompt
+            os.utime(path)  # least-recently-used order
+            return Hit(f, n)
+        return None
+
+    def save(self, tokens: Sequence[int], tensors: dict[str, np.ndarray], extra: dict[str, str]) -> Path | None:
+        """Write the cache of ``tokens`` (a CHUNK multiple) unless a file already holds it."""
+        hashes = chunk_hashes(tokens)
+        path = self.folder / f"{hashes[-1]}{SUFFIX}"
+        if path.exists():
+            os.utime(path)
+            return None
+        meta = dict(self.scope.metadata(), **extra, n_tokens=str(len(tokens)), chunk_hashes=json.dumps(hashes),
+                    created=str(int(time.time())))
+        prompt_file.write(path, dict(tensors, tokens=np.asarray(tokens, dtype=np.int32)), meta)
+        evict_to_budget(budget_bytes(), keep=path)
+        return path
+
+
+# -- the whole cache (localctx cache ls|rm|clear) -------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    size: int
+    used: float  # mtime: last write or hit
+    meta: dict
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.parent.name[:8]}/{self.path.stem}"
+
+
+def entries() -> list[Entry]:
+    """Every file under the cache root, most recently used first (unreadable headers: meta = {})."""
+    out = []
+    base = root()
+    if not base.is_dir():
+        return out
+    for path in base.glob(f"*/*{SUFFIX}"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        try:
+            meta = prompt_file.read_header(path)[0]["__metadata__"]
+        except BadPromptFile:
+            meta = {}
+        out.append(Entry(path, st.st_size, st.st_mtime, meta))
+    return sorted(out, key=lambda e: -e.used)
+
+
+def evict_to_budget(budget: int, keep: Path | None = None) -> list[Path]:
+    """Remove the least recently used files until the total is within ``budget``."""
+    all_entries = entries()
+    total = sum(e.size for e in all_entries)
+    removed = []
+    for e in reversed(all_entries):
+        if total <= budget:
+            break
+        if e.path == keep:
+            continue
+        e.path.unlink(missing_ok=True)
+        total -= e.size
+        removed.append(e.path)
+    return removed
