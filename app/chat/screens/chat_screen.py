@@ -1,7 +1,9 @@
-"""The main screen: conversation, input, cache panel. Answers stream from a worker thread as
-engine results (Streamed / Failed / Replanned) posted back to this screen."""
+"""The main screen: conversation, input, cache panel. Answers stream from a worker thread: its
+tokens collect in a FrameBuffer that the screen draws at most once per FRAME_INTERVAL (frames.py);
+other engine results (Failed / Replanned) are posted back to this screen as they come."""
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Awaitable, Callable
 
@@ -12,11 +14,13 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.reactive import reactive
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer, Header
 
 from localctx.app.chat import slash
 from localctx.app.chat.engine import ChatEngine, Failed, Replanned, Streamed
 from localctx.app.chat.figures import CacheFigures, SessionFacts
+from localctx.app.chat.frames import FRAME_INTERVAL, FrameBuffer
 from localctx.app.chat.screens.conversations import ConversationsScreen
 from localctx.app.chat.screens.plan import PlanScreen
 from localctx.app.chat.setup import ChatSetup
@@ -33,6 +37,10 @@ class EngineResult(Message):
     def __init__(self, payload: object):
         super().__init__()
         self.payload = payload
+
+
+class FrameReady(Message):
+    """The worker added the first events of a frame (or the final one) to the screen's FrameBuffer."""
 
 
 class ChatScreen(Screen):
@@ -58,6 +66,10 @@ class ChatScreen(Screen):
         self.question: ChatMessage | None = None
         self.last_stats: GenerationStats | None = None
         self.after_answer: Callable[[], Awaitable[None]] | None = None
+        self.frames: FrameBuffer | None = None  # the streaming answer's events, not yet drawn
+        self.frames_drawn = 0  # frames that changed the screen (tests compare it with the tokens streamed)
+        self._frame_timer: Timer | None = None
+        self._last_frame = 0.0
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -115,6 +127,7 @@ class ChatScreen(Screen):
         await self.view.add_user(text)
         self.answer = await self.view.start_answer()
         self.turn += 1
+        self.frames = FrameBuffer(self.turn)
         self.busy = True
         self.last_stats = None
         self.set_state("prefilling")
@@ -122,9 +135,16 @@ class ChatScreen(Screen):
         self.run_worker(work, thread=True, group="engine", exit_on_error=False)
 
     def emit(self, payload: object) -> None:
-        """Called from the worker thread; post_message is thread-safe."""
+        """Called from the worker thread; post_message is thread-safe. A streamed event goes to the
+        frame buffer, and only the first one of a frame (or the last of the answer) wakes the screen."""
+        message: Message = EngineResult(payload)
+        if isinstance(payload, Streamed):
+            frames = self.frames
+            if frames is None or frames.turn != payload.turn or not frames.add(payload.event):
+                return
+            message = FrameReady()
         try:
-            self.post_message(EngineResult(payload))
+            self.post_message(message)
         except RuntimeError:
             pass  # the app has shut down (its event loop is closed): nobody is left to tell
 
@@ -133,20 +153,45 @@ class ChatScreen(Screen):
             return True if self.busy and self.answer is not None else None  # None: shown greyed out
         return True
 
+    @on(FrameReady)
+    async def frame_ready(self, message: FrameReady) -> None:
+        """Draws now if a frame is due (or the answer ended), else once the frame interval has passed."""
+        frames = self.frames
+        if frames is None:
+            return
+        wait = self._last_frame + FRAME_INTERVAL - time.monotonic()
+        if wait <= 0 or frames.finished:
+            await self.draw_frame()
+        elif self._frame_timer is None:
+            self._frame_timer = self.set_timer(wait, self.draw_frame, name="answer frame")
+
+    async def draw_frame(self) -> None:
+        """One frame: the text streamed since the last one goes to the answer in one append, and the
+        panel shows the latest figures; the final event finishes the answer."""
+        if self._frame_timer is not None:
+            self._frame_timer.stop()
+            self._frame_timer = None
+        if self.frames is None:
+            return
+        frame = self.frames.take()
+        self._last_frame = time.monotonic()
+        if frame.turn != self.turn or self.answer is None or frame.events == 0:
+            return
+        self.frames_drawn += 1
+        self.last_stats = frame.stats
+        await self.answer.append(frame.text)
+        if frame.done is not None:
+            await self.finish_answer(TurnStats.from_stats(frame.done.stats, frame.done.finish_reason or "stop"))
+        else:
+            self.set_state("streaming", frame.stats)
+
     @on(EngineResult)
     async def engine_result(self, message: EngineResult) -> None:
         payload = message.payload
-        if isinstance(payload, Streamed) and payload.turn == self.turn and self.answer is not None:
-            event = payload.event
-            self.last_stats = event.stats
-            await self.answer.append(event.text)
-            if event.kind == "done":
-                await self.finish_answer(TurnStats.from_stats(event.stats, event.finish_reason or "stop"))
-            else:
-                self.set_state("streaming", event.stats)
-        elif isinstance(payload, Failed) and payload.turn == self.turn:
+        if isinstance(payload, Failed) and payload.turn == self.turn:
             if payload.detail:
                 self.log.error(payload.detail)
+            await self.draw_frame()  # what streamed before the failure is kept
             await self.fail_answer(payload.message)
         elif isinstance(payload, Replanned):
             await self.replanned(payload)
@@ -208,9 +253,15 @@ class ChatScreen(Screen):
 
     def save_partial(self) -> None:
         """On quit mid-answer: keep what was generated, as a stopped answer."""
-        if self.busy and self.answer is not None and self.answer.text:
-            stats = TurnStats.from_stats(self.last_stats, "cancelled") if self.last_stats else None
-            self.save(ChatMessage("assistant", self.answer.text, stats))
+        if not (self.busy and self.answer is not None):
+            return
+        text, stats = self.answer.text, self.last_stats
+        if self.frames is not None and self.frames.turn == self.turn:
+            frame = self.frames.take()  # streamed but not drawn yet
+            text, stats = text + frame.text, frame.stats or stats
+        if text:
+            turn_stats = TurnStats.from_stats(stats, "cancelled") if stats else None
+            self.save(ChatMessage("assistant", text, turn_stats))
             self.answer = None
 
     # -- commands ------------------------------------------------------------------
