@@ -1,17 +1,22 @@
 """Streamed tokens reach the screen in frames, not one by one.
 
 The worker thread that decodes adds each event to a FrameBuffer; the screen takes everything that
-arrived since its last frame, at most once per FRAME_INTERVAL. Per token the worker only appends
-to a list under a lock, and it wakes the UI thread once per frame, not once per token: on a
-2-core machine every bit of UI work is taken from the decoder's threads."""
+arrived since its last frame. Per token the worker only appends to a list under a lock, and it
+wakes the UI thread once per frame, not once per token: on a 2-core machine every bit of UI work
+is taken from the decoder's threads. FramePacer spaces the frames: FRAME_INTERVAL apart, or
+further apart when drawing them costs the UI thread more than UI_SHARE of its time."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from localctx.backends.base import GenerationEvent, GenerationStats
 
-FRAME_INTERVAL = 0.1  # seconds between two frames of a streaming answer (10 frames a second)
+FRAME_INTERVAL = 0.1  # seconds between two frames of a streaming answer (at most 10 frames a second)
+UI_SHARE = 0.1  # at most this share of one core goes to the UI thread while an answer streams
+MAX_INTERVAL = 1.0  # however slow the drawing, the answer moves at least once a second
 
 
 @dataclass(frozen=True)
@@ -64,3 +69,35 @@ class FrameBuffer:
             self._done = None
             self._woken = False
             return frame
+
+
+class FramePacer:
+    """When the next frame is due. The UI thread's CPU time between two frames is what drawing the
+    last one cost (layout and render included); the next frame waits until that cost is at most
+    UI_SHARE of the time between frames, and never less than FRAME_INTERVAL."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.thread_time):
+        self._clock = clock
+        self._cpu = cpu  # CPU seconds of the calling thread: always called from the UI thread
+        self._last_wall: float | None = None
+        self._last_cpu = 0.0
+        self.interval = FRAME_INTERVAL
+
+    def wait(self) -> float:
+        """Seconds until the next frame may be drawn (0: now)."""
+        if self._last_wall is None:
+            return 0.0
+        return max(0.0, self._last_wall + self.interval - self._clock())
+
+    def drawn(self) -> None:
+        """Call when a frame is drawn: the UI time spent since the last one sets the next interval."""
+        wall, cpu = self._clock(), self._cpu()
+        if self._last_wall is not None:
+            cost = cpu - self._last_cpu
+            self.interval = min(MAX_INTERVAL, max(FRAME_INTERVAL, cost / UI_SHARE))
+        self._last_wall, self._last_cpu = wall, cpu
+
+    def reset(self) -> None:
+        """A new answer: its first frame is drawn at once."""
+        self._last_wall = None
+        self.interval = FRAME_INTERVAL

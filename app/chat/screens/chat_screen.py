@@ -3,7 +3,6 @@ tokens collect in a FrameBuffer that the screen draws at most once per FRAME_INT
 other engine results (Failed / Replanned) are posted back to this screen as they come."""
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import Awaitable, Callable
 
@@ -20,7 +19,7 @@ from textual.widgets import Footer, Header
 from localctx.app.chat import slash
 from localctx.app.chat.engine import ChatEngine, Failed, Replanned, Streamed
 from localctx.app.chat.figures import CacheFigures, SessionFacts
-from localctx.app.chat.frames import FRAME_INTERVAL, FrameBuffer
+from localctx.app.chat.frames import FrameBuffer, FramePacer
 from localctx.app.chat.screens.conversations import ConversationsScreen
 from localctx.app.chat.screens.plan import PlanScreen
 from localctx.app.chat.setup import ChatSetup
@@ -68,8 +67,8 @@ class ChatScreen(Screen):
         self.after_answer: Callable[[], Awaitable[None]] | None = None
         self.frames: FrameBuffer | None = None  # the streaming answer's events, not yet drawn
         self.frames_drawn = 0  # frames that changed the screen (tests compare it with the tokens streamed)
+        self.pacer = FramePacer()
         self._frame_timer: Timer | None = None
-        self._last_frame = 0.0
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -128,6 +127,7 @@ class ChatScreen(Screen):
         self.answer = await self.view.start_answer()
         self.turn += 1
         self.frames = FrameBuffer(self.turn)
+        self.pacer.reset()
         self.busy = True
         self.last_stats = None
         self.set_state("prefilling")
@@ -155,11 +155,11 @@ class ChatScreen(Screen):
 
     @on(FrameReady)
     async def frame_ready(self, message: FrameReady) -> None:
-        """Draws now if a frame is due (or the answer ended), else once the frame interval has passed."""
+        """Draws now if a frame is due (or the answer ended), else when the pacer says it is."""
         frames = self.frames
         if frames is None:
             return
-        wait = self._last_frame + FRAME_INTERVAL - time.monotonic()
+        wait = self.pacer.wait()
         if wait <= 0 or frames.finished:
             await self.draw_frame()
         elif self._frame_timer is None:
@@ -174,7 +174,7 @@ class ChatScreen(Screen):
         if self.frames is None:
             return
         frame = self.frames.take()
-        self._last_frame = time.monotonic()
+        self.pacer.drawn()
         if frame.turn != self.turn or self.answer is None or frame.events == 0:
             return
         self.frames_drawn += 1
