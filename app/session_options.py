@@ -78,12 +78,27 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
     return plan
 
 
-def open_session(req: SessionRequest) -> Session:
+@dataclass(frozen=True)
+class PlannedSession:
+    """A model resolved and planned, not loaded yet: load() does the slow part."""
+    ref: ModelRef
+    spec: ModelSpec
+    plan: Plan
+
+    def load(self) -> Session:
+        return registry.get(self.plan.backend).load(self.ref, self.plan)
+
+
+def plan_session(req: SessionRequest) -> PlannedSession:
+    """Resolves and plans; a bad model, policy or backend is refused here, before anything loads."""
     ref, spec = resolve_model(req)
     plan = make_plan(req, spec)
-    backend = registry.get(plan.backend)
-    refusals = backend.refusals(plan.policy, spec)
+    refusals = registry.get(plan.backend).refusals(plan.policy, spec)
     if refusals:
         raise UserError(f"backend {plan.backend} cannot run KV policy {plan.policy}: {'; '.join(refusals)}; "
                         "choose another --kv or --backend")
-    return backend.load(ref, plan)
+    return PlannedSession(ref, spec, plan)
+
+
+def open_session(req: SessionRequest) -> Session:
+    return plan_session(req).load()

@@ -17,7 +17,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header
 
 from localctx.app.chat import slash
-from localctx.app.chat.engine import ChatEngine, Failed, Replanned, Streamed
+from localctx.app.chat.engine import ChatEngine, Failed, Loaded, Replanned, Streamed
 from localctx.app.chat.figures import CacheFigures, SessionFacts
 from localctx.app.chat.frames import FrameBuffer, FramePacer
 from localctx.app.chat.screens.conversations import ConversationsScreen
@@ -58,7 +58,7 @@ class ChatScreen(Screen):
         super().__init__()
         self.setup = setup
         self.engine = engine
-        self.facts = SessionFacts.of(engine.session, setup.hardware)
+        self.facts = SessionFacts.planned(setup.plan, setup.model, setup.hardware)
         self.conv = Conversation(system=setup.system)
         self.turn = 0
         self.answer: Answer | None = None
@@ -76,10 +76,13 @@ class ChatScreen(Screen):
             with Vertical(id="chat"):
                 yield ConversationView(id="conversation")
                 yield PromptInput(id="prompt", placeholder="Ask anything · Enter sends · /help")
-            yield CachePanel(CacheFigures(self.facts), id="panel")
+            yield CachePanel(CacheFigures(self.facts, state="starting"), id="panel")
         yield Footer()
 
     async def on_mount(self) -> None:
+        # the model loads while the screen is up; a question sent meanwhile waits for it in the engine
+        self.run_worker(partial(self.engine.load, self.setup.load, self.emit), thread=True, group="engine",
+                        exit_on_error=False)
         self.sub_title = self.conv.title
         if self.setup.notice:
             await self.view.add_note(self.setup.notice, "error")
@@ -195,6 +198,19 @@ class ChatScreen(Screen):
             await self.fail_answer(payload.message)
         elif isinstance(payload, Replanned):
             await self.replanned(payload)
+        elif isinstance(payload, Loaded):
+            self.loaded(payload)
+
+    def loaded(self, result: Loaded) -> None:
+        if result.session is None:
+            self.app.load_error = result.error
+            self.app.exit(return_code=1)
+            return
+        self.facts = SessionFacts.of(result.session, self.setup.hardware)
+        if self.busy:  # a question sent while the model loaded: its answer sets the panel's state
+            self.panel.show(CacheFigures(self.facts, self.panel.figures.stats, self.panel.figures.state))
+        else:
+            self.set_state("idle")
 
     async def finish_answer(self, stats: TurnStats) -> None:
         answer, self.answer = self.answer, None
@@ -293,7 +309,7 @@ class ChatScreen(Screen):
                                  "chat again (the cached prefix changed).")
 
     async def replan(self, arg: str) -> None:
-        policy = self.engine.session.plan.policy
+        policy = self.facts.plan.policy
         if not arg:
             await self.view.add_note(f"KV policy: `{policy}` ({policy.describe()}). Change it with /kv POLICY.")
             return

@@ -10,7 +10,7 @@ from localctx.app.chat.figures import CacheFigures
 from localctx.kvcache.cost import format_bytes
 
 BAR_WIDTH = 24
-STATE_LABELS = {"idle": "ready", "prefilling": "reading the prompt…", "streaming": "answering…",
+STATE_LABELS = {"starting": "loading the model…", "idle": "ready", "prefilling": "reading the prompt…", "streaming": "answering…",
                 "stopped": "stopped", "done": "done", "failed": "failed", "loading": "re-planning…"}
 
 
