@@ -15,7 +15,7 @@ from typing import Callable
 from localctx.backends.base import GenerationEvent, GenerationStats
 
 FRAME_INTERVAL = 0.1  # seconds between two frames of a streaming answer (at most 10 frames a second)
-UI_SHARE = 0.1  # at most this share of one core goes to the UI thread while an answer streams
+UI_SHARE = 0.05  # at most this share of one core goes to the UI thread while an answer streams
 MAX_INTERVAL = 1.0  # however slow the drawing, the answer moves at least once a second
 
 
