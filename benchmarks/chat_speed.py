@@ -11,6 +11,12 @@ The ratios are taken within each pair (runs next to each other in time), since o
 share the machine. Writes JSON (default docs/benchmarks-chat.json) and prints a markdown table.
 
     python benchmarks/chat_speed.py --pairs 3
+
+With --ui-cost it measures instead what the chat's UI thread costs while a scripted session
+streams a 2,000-token answer at a fixed rate (no model): CPU seconds of the UI thread per token,
+in the first and the last quarter of the answer, and frames drawn (writes docs/benchmarks-chat-ui.json).
+
+    python benchmarks/chat_speed.py --ui-cost
 """
 from __future__ import annotations
 
@@ -78,6 +84,62 @@ print(json.dumps({"generated": stats.generated_tokens, "prompt_tokens": stats.pr
 '''
 
 
+# The UI thread's CPU time while a scripted answer streams at a fixed rate, quarter by quarter.
+UI_COST = r'''
+import asyncio, json, os, sys, tempfile, threading, time
+from localctx.app.chat.app import ChatApp
+from localctx.app.chat.setup import ChatSetup
+from localctx.app.history import History
+from localctx.app.session_options import SessionRequest, make_plan
+from localctx.backends.base import GenerationEvent, GenerationParams, GenerationStats
+from localctx.backends.fake import FAKE_SPEC, FakeBackend
+from localctx.backends.modelref import resolve
+
+tokens, rate = int(sys.argv[1]), float(sys.argv[2])
+os.environ["LOCALCTX_DATA_DIR"] = tempfile.mkdtemp()
+plan = make_plan(SessionRequest(model=None, backend="fake"), FAKE_SPEC)
+session = FakeBackend().load(resolve("fake"), plan)
+ui_cpu = {}  # tokens streamed -> the UI thread's CPU seconds at that moment (sampled by the UI thread)
+ui_thread = threading.main_thread()
+
+def story(prompt, params=GenerationParams(), cancel=None):
+    start = time.perf_counter()
+    for i in range(tokens):
+        time.sleep(max(0.0, start + (i + 1) / rate - time.perf_counter()))
+        text = f"word{i % 97}" + (".\n\n" if i % 40 == 39 else " ")
+        yield GenerationEvent("token", GenerationStats("fake", "fp16", 10, 0, i + 1, 0.01, (i + 1) / rate), text=text)
+    yield GenerationEvent("done", GenerationStats("fake", "fp16", 10, 0, tokens, 0.01, tokens / rate),
+                          finish_reason="stop")
+session.generate = story
+app = ChatApp(ChatSetup(load=lambda: session, plan=plan, model="fake", reopen=None, history=History.open()[0]))
+
+async def go():
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.chat
+        while chat.engine.session is None:
+            await asyncio.sleep(0.05)
+        box = app.query_one("#prompt")
+        box.text = "a long story"
+        box.focus()
+        await pilot.press("enter")
+        while not (chat.turn == 1 and not chat.busy):
+            stats = chat.last_stats
+            ui_cpu[stats.generated_tokens if stats else 0] = time.thread_time()
+            await asyncio.sleep(0.05)
+        return chat.frames_drawn
+frames = asyncio.run(go())
+marks = sorted(ui_cpu.items())
+def per_token(lo, hi):
+    inside = [(n, c) for n, c in marks if lo <= n <= hi]
+    (n0, c0), (n1, c1) = inside[0], inside[-1]
+    return (c1 - c0) / (n1 - n0)
+q = tokens // 4
+print(json.dumps({"tokens": tokens, "tokens_per_s": rate, "frames": frames,
+                  "ui_cpu_ms_per_token_first_quarter": 1000 * per_token(1, q),
+                  "ui_cpu_ms_per_token_last_quarter": 1000 * per_token(tokens - q, tokens)}))
+'''
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "localctx.app.cli", *args]
 
@@ -142,6 +204,22 @@ def chat_ready(model: str, kv: str | None, env: dict) -> float:
         subprocess.run([tmux, "-L", socket, "kill-server"], capture_output=True, env=env, timeout=30)
 
 
+def ui_cost(out: Path, runs: int = 3, tokens: int = 2000, rate: float = 80.0) -> None:
+    results = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-c", UI_COST, str(tokens), str(rate)], capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"the UI cost run failed:\n{proc.stderr}")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(json.dumps(results[-1]), file=sys.stderr)
+    doc = {"command": "python benchmarks/chat_speed.py " + " ".join(sys.argv[1:]), "runs": results,
+           "load_average_at_end": os.getloadavg()}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(out)
+
+
 def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
@@ -166,8 +244,13 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=str(bundled_default_path()))
     ap.add_argument("--kv", default=None, help="KV policy for both (default: planned)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-    ap.add_argument("--out", default="docs/benchmarks-chat.json")
+    ap.add_argument("--out", default=None, help="JSON path (default docs/benchmarks-chat.json, -ui.json with --ui-cost)")
+    ap.add_argument("--ui-cost", action="store_true", help="measure the UI thread's cost per token instead (no model)")
     args = ap.parse_args()
+    if args.ui_cost:
+        ui_cost(Path(args.out or "docs/benchmarks-chat-ui.json"))
+        return
+    args.out = args.out or "docs/benchmarks-chat.json"
     pairs = []
     with tempfile.TemporaryDirectory() as data:
         env = dict(os.environ, LOCALCTX_DATA_DIR=data, TERM="xterm-256color")
