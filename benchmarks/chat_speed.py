@@ -171,7 +171,7 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
 
 def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
     out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens)],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"the headless chat failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -192,14 +192,14 @@ def chat_ready(model: str, kv: str | None, env: dict) -> float:
     start = time.perf_counter()
     tmux_run("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", command)
     try:
-        while time.perf_counter() - start < 120:
+        while time.perf_counter() - start < 300:
             screen = tmux_run("capture-pane", "-p", "-t", "chat")
             if re.search(r"\bready\b", screen):
                 return time.perf_counter() - start
             if "Traceback" in screen or "localctx: error" in screen or "localctx: failed" in screen:
                 raise SystemExit(f"localctx chat failed:\n{screen}")
             time.sleep(0.05)
-        raise SystemExit("localctx chat did not say ready within 120 s")
+        raise SystemExit("localctx chat did not say ready within 300 s")
     finally:
         subprocess.run([tmux, "-L", socket, "kill-server"], capture_output=True, env=env, timeout=30)
 
