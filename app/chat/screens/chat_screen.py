@@ -1,6 +1,7 @@
 """The main screen: conversation, input, cache panel. Answers stream from a worker thread: its
-tokens collect in a FrameBuffer that the screen draws at most once per FRAME_INTERVAL (frames.py);
-other engine results (Failed / Replanned) are posted back to this screen as they come."""
+tokens collect in a FrameBuffer that the screen draws in frames, as often as its FramePacer
+allows (frames.py); other engine results (Loaded / Failed / Replanned) are posted back to this
+screen as they come."""
 from __future__ import annotations
 
 from functools import partial
