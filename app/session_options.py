@@ -111,19 +111,35 @@ def add_prompt_cache_option(parser: argparse.ArgumentParser) -> None:
                         help="neither read nor write the KV of long prompts on disk (localctx cache ls)")
 
 
+@dataclass(frozen=True)
+class PlannedSession:
+    """A model resolved and planned, not loaded yet: load() does the slow part."""
+    ref: ModelRef
+    spec: ModelSpec
+    plan: Plan
+    prompt_cache: bool = False  # keep long prompts' KV on disk
+
+    def load(self) -> Session:
+        session = registry.get(self.plan.backend).load(self.ref, self.plan)
+        if self.prompt_cache and self.ref.kind != "fake":
+            session.enable_prompt_cache(self.ref.path)  # a backend without one just says why; nothing to tell here
+        return session
+
+
+def plan_session(req: SessionRequest) -> PlannedSession:
+    """Resolves and plans; a bad model, policy or backend is refused here, before anything loads."""
+    ref, spec = resolve_model(req)
+    plan = make_plan(req, spec)
+    refusals = registry.get(plan.backend).refusals(plan.policy, spec)
+    if refusals:
+        raise UserError(f"backend {plan.backend} cannot run KV policy {plan.policy}: {'; '.join(refusals)}; "
+                        "choose another --kv or --backend")
+    return PlannedSession(ref, spec, plan, req.prompt_cache)
+
+
 def open_session(req: SessionRequest) -> Session:
     if req.backend == "openai":
         from localctx.backends.openai.remote import open_remote
 
         return open_remote(remote_request(req))
-    ref, spec = resolve_model(req)
-    plan = make_plan(req, spec)
-    backend = registry.get(plan.backend)
-    refusals = backend.refusals(plan.policy, spec)
-    if refusals:
-        raise UserError(f"backend {plan.backend} cannot run KV policy {plan.policy}: {'; '.join(refusals)}; "
-                        "choose another --kv or --backend")
-    session = backend.load(ref, plan)
-    if req.prompt_cache and ref.kind != "fake":
-        session.enable_prompt_cache(ref.path)  # a backend without one just says why; nothing to tell here
-    return session
+    return plan_session(req).load()

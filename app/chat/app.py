@@ -15,7 +15,8 @@ class ChatApp(App):
     def __init__(self, setup: ChatSetup):
         super().__init__()
         self.setup = setup
-        self.engine = ChatEngine(setup.session, setup.reopen, setup.params)
+        self.engine = ChatEngine(setup.reopen, setup.params)
+        self.load_error: Exception | None = None  # the model could not be loaded: the command reports it
         self.chat: ChatScreen | None = None
 
     def get_default_screen(self) -> ChatScreen:

@@ -27,6 +27,14 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """The model finished loading (session) or could not be loaded (error, a one-line UserError or
+    RuntimeFailure that the command reports once the app has closed)."""
+    session: Session | None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
 class Replanned:
     session: Session | None  # None when the new policy was refused
     message: str
@@ -34,11 +42,12 @@ class Replanned:
 
 Emit = Callable[[object], None]
 Reopen = Callable[[str | None], Session]  # a new session with this --kv policy (None = planned)
+Load = Callable[[], Session]  # loads the planned model
 
 
 class ChatEngine:
-    def __init__(self, session: Session, reopen: Reopen, params: GenerationParams):
-        self.session = session
+    def __init__(self, reopen: Reopen, params: GenerationParams):
+        self.session: Session | None = None  # until load() has run
         self.reopen = reopen
         self.params = params
         self._lock = threading.Lock()
@@ -56,10 +65,25 @@ class ChatEngine:
 
     def reset(self) -> None:
         """Forgets the cached conversation (a new chat, another chat, /clear)."""
+        if self.session is None:
+            return  # still loading (a model just loaded has nothing cached): do not wait for it
         with self._lock:
             self.session.reset()
 
     # -- worker threads ----------------------------------------------------------
+    def load(self, load: Load, emit: Emit) -> None:
+        """Loads the model while the UI is already up; answers wait for it (they take the same lock)."""
+        with self._lock:
+            try:
+                self.session = load()
+            except (UserError, RuntimeFailure) as exc:
+                emit(Loaded(None, exc))
+                return
+            except Exception as exc:  # a backend bug: one line for the user, the traceback in the log
+                emit(Loaded(None, RuntimeFailure(f"loading the model failed: {type(exc).__name__}: {exc}")))
+                return
+            emit(Loaded(self.session))
+
     def answer(self, turn: int, messages: list[dict], cancel: threading.Event, emit: Emit) -> None:
         """Streams the answer to ``messages``; the session reuses whatever prefix its cache holds."""
         with self._lock:
@@ -95,11 +119,13 @@ class ChatEngine:
                 emit(Replanned(None, f"re-planning failed: {type(exc).__name__}: {exc}"))
                 return
             old, self.session = self.session, new
-            old.close()
+            if old is not None:
+                old.close()
             emit(Replanned(new, f"KV policy is now {new.plan.policy} ({new.plan.policy.describe()})"))
 
     def close(self) -> None:
         """Stops any answer, waits for it, and releases the model."""
         self.stop()
         with self._lock:
-            self.session.close()
+            if self.session is not None:
+                self.session.close()

@@ -17,6 +17,11 @@ class SessionFacts:
     plan: Plan
 
     @classmethod
+    def planned(cls, plan: Plan, model: str, hardware: str) -> "SessionFacts":
+        """Before the model is loaded: what the plan says."""
+        return cls(backend=plan.backend, model=model, hardware=plan.hardware or hardware, plan=plan)
+
+    @classmethod
     def of(cls, session: Session, hardware: str) -> "SessionFacts":
         return cls(backend=session.backend_name, model=session.spec.name,
                    hardware=session.plan.hardware or hardware, plan=session.plan)
@@ -27,7 +32,7 @@ class CacheFigures:
     """One snapshot of the panel: the latest stats (None before the first answer) and the state."""
     facts: SessionFacts
     stats: GenerationStats | None = None
-    state: str = "idle"  # idle | prefilling | streaming | stopped | done | failed | loading
+    state: str = "idle"  # starting | idle | prefilling | streaming | stopped | done | failed | loading
 
     @property
     def prefill_tok_s(self) -> float:

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localctx.app.chat.engine import Reopen
+from localctx.app.chat.engine import Load, Reopen
 from localctx.app.history import History
-from localctx.backends.base import GenerationParams, Session
+from localctx.backends.base import GenerationParams
+from localctx.kvcache.plan import Plan
 
 
 @dataclass
 class ChatSetup:
-    session: Session  # already loaded: a bad model is a one-line error before the TUI starts
+    load: Load  # loads the planned model: runs in a worker while the UI is already up
+    plan: Plan  # what load() runs (a bad model or policy is refused before the TUI starts)
+    model: str  # the model's name, shown while it loads
     reopen: Reopen  # a new session with another KV policy, for /kv
     history: History
     params: GenerationParams = GenerationParams(max_tokens=1024, speculate="auto")

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import psutil
 
-from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options, make_plan,
-                                          open_session, resolve_model)
+from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options,
+                                          open_session, plan_session)
 from localctx.backends import speculative
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes
@@ -53,19 +53,20 @@ def handle(args: argparse.Namespace) -> int:
 
     params = params_from(args)
     request = SessionRequest.from_args(args, prompt_cache=args.prompt_cache)
-    make_plan(request, resolve_model(request)[1])  # a bad -m / --kv / --context fails here, before anything loads
+    planned = plan_session(request)  # a bad -m / --kv / --context fails here, before the TUI starts
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UserError("localctx chat needs a terminal (stdin and stdout); for piped or scripted use, "
                         'run localctx run "PROMPT"')
     history, notice = History.open()
-    session = open_session(request)
-    setup = ChatSetup(session=session, reopen=lambda kv: open_session(replace(request, kv=kv)), history=history,
-                      params=params, hardware=describe_hardware(), system=args.system, resume=args.resume,
-                      notice=notice)
-    app = ChatApp(setup)
+    setup = ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name,
+                      reopen=lambda kv: open_session(replace(request, kv=kv)), history=history, params=params,
+                      hardware=describe_hardware(), system=args.system, resume=args.resume, notice=notice)
+    app = ChatApp(setup)  # the model loads in a worker while the screen comes up
     try:
         app.run()
     finally:
         app.engine.close()
         history.close()
+    if app.load_error is not None:
+        raise app.load_error
     return app.return_code or 0

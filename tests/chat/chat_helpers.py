@@ -55,7 +55,8 @@ class RecordingSession(Session):
 def make_app(history: History, session: Session | None = None, *, delay: float = 0.0, kv: str | None = None,
              context: int | None = None, **setup_kwargs) -> ChatApp:
     session = session or fake_session(kv, delay, context)
-    setup = ChatSetup(session=session, reopen=lambda new_kv: fake_session(new_kv, delay, context),
+    setup = ChatSetup(load=lambda: session, plan=session.plan, model=session.spec.name,
+                      reopen=lambda new_kv: fake_session(new_kv, delay, context),
                       history=history, hardware="test machine", **setup_kwargs)
     return ChatApp(setup)
 

@@ -1,5 +1,7 @@
-"""The main screen: conversation, input, cache panel. Answers stream from a worker thread as
-engine results (Streamed / Failed / Replanned) posted back to this screen."""
+"""The main screen: conversation, input, cache panel. Answers stream from a worker thread: its
+tokens collect in a FrameBuffer that the screen draws in frames, as often as its FramePacer
+allows (frames.py); other engine results (Loaded / Failed / Replanned) are posted back to this
+screen as they come."""
 from __future__ import annotations
 
 from functools import partial
@@ -12,11 +14,13 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.reactive import reactive
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer, Header
 
 from localctx.app.chat import slash
-from localctx.app.chat.engine import ChatEngine, Failed, Replanned, Streamed
+from localctx.app.chat.engine import ChatEngine, Failed, Loaded, Replanned, Streamed
 from localctx.app.chat.figures import CacheFigures, SessionFacts
+from localctx.app.chat.frames import FrameBuffer, FramePacer
 from localctx.app.chat.screens.conversations import ConversationsScreen
 from localctx.app.chat.screens.plan import PlanScreen
 from localctx.app.chat.setup import ChatSetup
@@ -35,6 +39,10 @@ class EngineResult(Message):
         self.payload = payload
 
 
+class FrameReady(Message):
+    """The worker added the first events of a frame (or the final one) to the screen's FrameBuffer."""
+
+
 class ChatScreen(Screen):
     BINDINGS = [
         Binding("ctrl+c", "stop_or_copy", "Stop", show=False, priority=True),
@@ -51,13 +59,17 @@ class ChatScreen(Screen):
         super().__init__()
         self.setup = setup
         self.engine = engine
-        self.facts = SessionFacts.of(engine.session, setup.hardware)
+        self.facts = SessionFacts.planned(setup.plan, setup.model, setup.hardware)
         self.conv = Conversation(system=setup.system)
         self.turn = 0
         self.answer: Answer | None = None
         self.question: ChatMessage | None = None
         self.last_stats: GenerationStats | None = None
         self.after_answer: Callable[[], Awaitable[None]] | None = None
+        self.frames: FrameBuffer | None = None  # the streaming answer's events, not yet drawn
+        self.frames_drawn = 0  # frames that changed the screen (tests compare it with the tokens streamed)
+        self.pacer = FramePacer()
+        self._frame_timer: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -65,10 +77,13 @@ class ChatScreen(Screen):
             with Vertical(id="chat"):
                 yield ConversationView(id="conversation")
                 yield PromptInput(id="prompt", placeholder="Ask anything · Enter sends · /help")
-            yield CachePanel(CacheFigures(self.facts), id="panel")
+            yield CachePanel(CacheFigures(self.facts, state="starting"), id="panel")
         yield Footer()
 
     async def on_mount(self) -> None:
+        # the model loads while the screen is up; a question sent meanwhile waits for it in the engine
+        self.run_worker(partial(self.engine.load, self.setup.load, self.emit), thread=True, group="engine",
+                        exit_on_error=False)
         self.sub_title = self.conv.title
         if self.setup.notice:
             await self.view.add_note(self.setup.notice, "error")
@@ -115,6 +130,8 @@ class ChatScreen(Screen):
         await self.view.add_user(text)
         self.answer = await self.view.start_answer()
         self.turn += 1
+        self.frames = FrameBuffer(self.turn)
+        self.pacer.reset()
         self.busy = True
         self.last_stats = None
         self.set_state("prefilling")
@@ -122,9 +139,16 @@ class ChatScreen(Screen):
         self.run_worker(work, thread=True, group="engine", exit_on_error=False)
 
     def emit(self, payload: object) -> None:
-        """Called from the worker thread; post_message is thread-safe."""
+        """Called from the worker thread; post_message is thread-safe. A streamed event goes to the
+        frame buffer, and only the first one of a frame (or the last of the answer) wakes the screen."""
+        message: Message = EngineResult(payload)
+        if isinstance(payload, Streamed):
+            frames = self.frames
+            if frames is None or frames.turn != payload.turn or not frames.add(payload.event):
+                return
+            message = FrameReady()
         try:
-            self.post_message(EngineResult(payload))
+            self.post_message(message)
         except RuntimeError:
             pass  # the app has shut down (its event loop is closed): nobody is left to tell
 
@@ -133,23 +157,61 @@ class ChatScreen(Screen):
             return True if self.busy and self.answer is not None else None  # None: shown greyed out
         return True
 
+    @on(FrameReady)
+    async def frame_ready(self, message: FrameReady) -> None:
+        """Draws now if a frame is due (or the answer ended), else when the pacer says it is."""
+        frames = self.frames
+        if frames is None:
+            return
+        wait = self.pacer.wait()
+        if wait <= 0 or frames.finished:
+            await self.draw_frame()
+        elif self._frame_timer is None:
+            self._frame_timer = self.set_timer(wait, self.draw_frame, name="answer frame")
+
+    async def draw_frame(self) -> None:
+        """One frame: the text streamed since the last one goes to the answer in one append, and the
+        panel shows the latest figures; the final event finishes the answer."""
+        if self._frame_timer is not None:
+            self._frame_timer.stop()
+            self._frame_timer = None
+        if self.frames is None:
+            return
+        frame = self.frames.take()
+        self.pacer.drawn()
+        if frame.turn != self.turn or self.answer is None or frame.events == 0:
+            return
+        self.frames_drawn += 1
+        self.last_stats = frame.stats
+        await self.answer.append(frame.text)
+        if frame.done is not None:
+            await self.finish_answer(TurnStats.from_stats(frame.done.stats, frame.done.finish_reason or "stop"))
+        else:
+            self.set_state("streaming", frame.stats)
+
     @on(EngineResult)
     async def engine_result(self, message: EngineResult) -> None:
         payload = message.payload
-        if isinstance(payload, Streamed) and payload.turn == self.turn and self.answer is not None:
-            event = payload.event
-            self.last_stats = event.stats
-            await self.answer.append(event.text)
-            if event.kind == "done":
-                await self.finish_answer(TurnStats.from_stats(event.stats, event.finish_reason or "stop"))
-            else:
-                self.set_state("streaming", event.stats)
-        elif isinstance(payload, Failed) and payload.turn == self.turn:
+        if isinstance(payload, Failed) and payload.turn == self.turn:
             if payload.detail:
                 self.log.error(payload.detail)
+            await self.draw_frame()  # what streamed before the failure is kept
             await self.fail_answer(payload.message)
         elif isinstance(payload, Replanned):
             await self.replanned(payload)
+        elif isinstance(payload, Loaded):
+            self.loaded(payload)
+
+    def loaded(self, result: Loaded) -> None:
+        if result.session is None:
+            self.app.load_error = result.error
+            self.app.exit(return_code=1)
+            return
+        self.facts = SessionFacts.of(result.session, self.setup.hardware)
+        if self.busy:  # a question sent while the model loaded: its answer sets the panel's state
+            self.panel.show(CacheFigures(self.facts, self.panel.figures.stats, self.panel.figures.state))
+        else:
+            self.set_state("idle")
 
     async def finish_answer(self, stats: TurnStats) -> None:
         answer, self.answer = self.answer, None
@@ -208,9 +270,15 @@ class ChatScreen(Screen):
 
     def save_partial(self) -> None:
         """On quit mid-answer: keep what was generated, as a stopped answer."""
-        if self.busy and self.answer is not None and self.answer.text:
-            stats = TurnStats.from_stats(self.last_stats, "cancelled") if self.last_stats else None
-            self.save(ChatMessage("assistant", self.answer.text, stats))
+        if not (self.busy and self.answer is not None):
+            return
+        text, stats = self.answer.text, self.last_stats
+        if self.frames is not None and self.frames.turn == self.turn:
+            frame = self.frames.take()  # streamed but not drawn yet
+            text, stats = text + frame.text, frame.stats or stats
+        if text:
+            turn_stats = TurnStats.from_stats(stats, "cancelled") if stats else None
+            self.save(ChatMessage("assistant", text, turn_stats))
             self.answer = None
 
     # -- commands ------------------------------------------------------------------
@@ -242,7 +310,7 @@ class ChatScreen(Screen):
                                  "chat again (the cached prefix changed).")
 
     async def replan(self, arg: str) -> None:
-        policy = self.engine.session.plan.policy
+        policy = self.facts.plan.policy
         if not arg:
             await self.view.add_note(f"KV policy: `{policy}` ({policy.describe()}). Change it with /kv POLICY.")
             return

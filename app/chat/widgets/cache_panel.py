@@ -10,7 +10,7 @@ from localctx.app.chat.figures import CacheFigures
 from localctx.kvcache.cost import format_bytes
 
 BAR_WIDTH = 24
-STATE_LABELS = {"idle": "ready", "prefilling": "reading the prompt…", "streaming": "answering…",
+STATE_LABELS = {"starting": "loading the model…", "idle": "ready", "prefilling": "reading the prompt…", "streaming": "answering…",
                 "stopped": "stopped", "done": "done", "failed": "failed", "loading": "re-planning…"}
 
 
@@ -37,6 +37,13 @@ class CachePanel(VerticalScroll):
     def __init__(self, figures: CacheFigures, **kwargs):
         super().__init__(**kwargs)
         self.figures = figures
+        self._shown: dict[str, object] = {}  # what each Static shows now: unchanged ones are not updated
+
+    def _put(self, widget_id: str, content: str | Text) -> None:
+        key = content if isinstance(content, str) else (content.plain, str(content.style), tuple(content.spans))
+        if self._shown.get(widget_id) != key:
+            self._shown[widget_id] = key
+            self.query_one(f"#{widget_id}", Static).update(content)
 
     def compose(self) -> ComposeResult:
         yield Label("KV policy", classes="heading")
@@ -63,20 +70,19 @@ class CachePanel(VerticalScroll):
         self.figures = f = figures
         badge = Text(" EXACT " if f.exact else " LOSSY ", style="bold black on green" if f.exact
                      else "bold black on dark_orange")
-        self.query_one("#policy", Static).update(Text.assemble((f.policy + " ", "bold"), badge))
-        self.query_one("#policy-detail", Static).update(f.facts.plan.policy.describe().split(": ", 1)[-1])
-        self.query_one("#kv-bar", Static).update(bar(f.kv_bytes, f.kv_budget))
-        self.query_one("#kv", Static).update(f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_budget)} planned")
-        self.query_one("#kv-detail", Static).update(self._kv_detail(f))
-        self.query_one("#context-bar", Static).update(bar(f.context_used, f.context_budget))
-        self.query_one("#context", Static).update(f"{f.context_used:,} of {f.context_budget:,} tokens")
-        self.query_one("#context-detail", Static).update(
-            f"{f.cached_tokens:,} reused from the cache this turn" if f.stats else "nothing cached yet")
-        self.query_one("#speed", Static).update(
-            f"prefill {tok_s(f.prefill_tok_s)}\ndecode  {tok_s(f.decode_tok_s)}")
-        self.query_one("#session", Static).update(
-            f"backend  {f.facts.backend}\nmodel    {f.facts.model}\nhardware {f.facts.hardware}")
-        self.query_one("#state", Static).update(Text(STATE_LABELS.get(f.state, f.state), style="italic"))
+        self._put("policy", Text.assemble((f.policy + " ", "bold"), badge))
+        self._put("policy-detail", f.facts.plan.policy.describe().split(": ", 1)[-1])
+        self._put("kv-bar", bar(f.kv_bytes, f.kv_budget))
+        self._put("kv", f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_budget)} planned")
+        self._put("kv-detail", self._kv_detail(f))
+        self._put("context-bar", bar(f.context_used, f.context_budget))
+        self._put("context", f"{f.context_used:,} of {f.context_budget:,} tokens")
+        self._put("context-detail",
+                  f"{f.cached_tokens:,} reused from the cache this turn" if f.stats else "nothing cached yet")
+        self._put("speed", f"prefill {tok_s(f.prefill_tok_s)}\ndecode  {tok_s(f.decode_tok_s)}")
+        self._put("session",
+                  f"backend  {f.facts.backend}\nmodel    {f.facts.model}\nhardware {f.facts.hardware}")
+        self._put("state", Text(STATE_LABELS.get(f.state, f.state), style="italic"))
 
     @staticmethod
     def _kv_detail(f: CacheFigures) -> Text:

@@ -1,10 +1,12 @@
 """The conversation pane: the user's messages, the answers as streamed markdown, and notes."""
 from __future__ import annotations
 
+from functools import lru_cache
+
+from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Markdown, Static
-from textual.widgets.markdown import MarkdownStream
 
 from localctx.app.history import ChatMessage, Conversation, TurnStats
 
@@ -28,6 +30,12 @@ def stats_line(stats: TurnStats) -> str:
     return " · ".join(parts)
 
 
+@lru_cache(maxsize=1)
+def markdown_parser() -> MarkdownIt:
+    """The parser Textual's Markdown uses by default, built once instead of once per append."""
+    return MarkdownIt("gfm-like")
+
+
 class UserMessage(Static):
     def __init__(self, text: str):
         super().__init__(text, markup=False, classes="message user")
@@ -41,18 +49,20 @@ class Note(Markdown):
 
 
 class Answer(Vertical):
-    """One assistant answer; while streaming it takes fragments through a MarkdownStream."""
+    """One assistant answer. While it streams, the screen appends a frame's text at a time; Textual's
+    Markdown.append parses again only from the start of the last top-level block (the one still
+    open) and keeps the blocks before it, so a frame costs the same at the end of a long answer as
+    at its start."""
 
     def __init__(self, text: str = "", stats: TurnStats | None = None):
         super().__init__(classes="message assistant")
         self._initial = text
         self._stats = stats
         self.text = text
-        self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:
         yield Label("assistant", classes="who")
-        yield Markdown(self._initial)
+        yield Markdown(self._initial, parser_factory=markdown_parser)
         yield Static(stats_line(self._stats) if self._stats else "", classes="stats")
 
     @property
@@ -63,14 +73,9 @@ class Answer(Vertical):
         if not fragment:
             return
         self.text += fragment
-        if self._stream is None:
-            self._stream = Markdown.get_stream(self.body)
-        await self._stream.write(fragment)
+        await self.body.append(fragment)
 
     async def finish(self, stats: TurnStats) -> None:
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
         self._stats = stats
         self.query_one(".stats", Static).update(stats_line(stats))
 

@@ -1,0 +1,103 @@
+"""Streamed tokens reach the screen in frames, not one by one.
+
+The worker thread that decodes adds each event to a FrameBuffer; the screen takes everything that
+arrived since its last frame. Per token the worker only appends to a list under a lock, and it
+wakes the UI thread once per frame, not once per token: on a 2-core machine every bit of UI work
+is taken from the decoder's threads. FramePacer spaces the frames: FRAME_INTERVAL apart, or
+further apart when drawing them costs the UI thread more than UI_SHARE of its time."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from localctx.backends.base import GenerationEvent, GenerationStats
+
+FRAME_INTERVAL = 0.1  # seconds between two frames of a streaming answer (at most 10 frames a second)
+UI_SHARE = 0.05  # at most this share of one core goes to the UI thread while an answer streams
+MAX_INTERVAL = 1.0  # however slow the drawing, the answer moves at least once a second
+
+
+@dataclass(frozen=True)
+class Frame:
+    """What arrived since the previous frame."""
+    turn: int
+    text: str  # the streamed text, all pieces joined
+    stats: GenerationStats | None  # the latest event's figures (None: no event arrived)
+    events: int  # how many events it carries
+    done: GenerationEvent | None = None  # the final event, once it arrived
+
+
+class FrameBuffer:
+    """Events of one answer (``turn``), added by the worker thread and taken by the UI thread."""
+
+    def __init__(self, turn: int):
+        self.turn = turn
+        self._lock = threading.Lock()
+        self._pieces: list[str] = []
+        self._stats: GenerationStats | None = None
+        self._events = 0
+        self._done: GenerationEvent | None = None
+        self._woken = False  # the UI was told there is something to take and has not taken it yet
+
+    def add(self, event: GenerationEvent) -> bool:
+        """Keeps ``event``; True when the UI has to be woken: the first event since it last took, or the end."""
+        with self._lock:
+            if event.text:
+                self._pieces.append(event.text)
+            self._stats = event.stats
+            self._events += 1
+            if event.kind == "done":
+                self._done = event
+            wake = not self._woken or event.kind == "done"  # the end is drawn at once, not a frame later
+            self._woken = True
+            return wake
+
+    @property
+    def finished(self) -> bool:
+        """The final event is waiting to be taken (the screen draws it without waiting for a frame)."""
+        with self._lock:
+            return self._done is not None
+
+    def take(self) -> Frame:
+        with self._lock:
+            frame = Frame(self.turn, "".join(self._pieces), self._stats, self._events, self._done)
+            self._pieces = []
+            self._stats = None
+            self._events = 0
+            self._done = None
+            self._woken = False
+            return frame
+
+
+class FramePacer:
+    """When the next frame is due. The UI thread's CPU time between two frames is what drawing the
+    last one cost (layout and render included); the next frame waits until that cost is at most
+    UI_SHARE of the time between frames, and never less than FRAME_INTERVAL."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.thread_time):
+        self._clock = clock
+        self._cpu = cpu  # CPU seconds of the calling thread: always called from the UI thread
+        self._last_wall: float | None = None
+        self._last_cpu = 0.0
+        self.interval = FRAME_INTERVAL
+
+    def wait(self) -> float:
+        """Seconds until the next frame may be drawn (0: now)."""
+        if self._last_wall is None:
+            return 0.0
+        return max(0.0, self._last_wall + self.interval - self._clock())
+
+    def drawn(self) -> None:
+        """Call when a frame is drawn: the UI time spent since the last one sets the next interval."""
+        wall, cpu = self._clock(), self._cpu()
+        if self._last_wall is not None:
+            cost = cpu - self._last_cpu
+            self.interval = min(MAX_INTERVAL, max(FRAME_INTERVAL, cost / UI_SHARE))
+        self._last_wall, self._last_cpu = wall, cpu
+
+    def reset(self) -> None:
+        """A new answer: its first frame is drawn at once."""
+        self._last_wall = None
+        self.interval = FRAME_INTERVAL
