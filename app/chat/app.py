@@ -1,6 +1,8 @@
 """The chat app: one screen (ChatScreen) plus modal views; styles in chat.tcss."""
 from __future__ import annotations
 
+import sys
+
 from textual.app import App
 
 from localctx.app.chat.engine import ChatEngine
@@ -8,9 +10,23 @@ from localctx.app.chat.screens.chat_screen import ChatScreen
 from localctx.app.chat.setup import ChatSetup
 
 
+# How long a thread may hold the GIL while another waits for it. Python's 5 ms default lets the UI's
+# event loop keep the decode thread waiting up to 5 ms after each llama.cpp call returns (a token
+# takes ~13 ms at 76 tok/s); 0.5 ms hands it back at once (docs/benchmarks.md, "The chat against
+# `localctx run`").
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 class ChatApp(App):
     CSS_PATH = "chat.tcss"
     TITLE = "localctx chat"
+
+    def on_mount(self) -> None:
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+    def on_unmount(self) -> None:
+        sys.setswitchinterval(self._switch_interval)
 
     def __init__(self, setup: ChatSetup):
         super().__init__()

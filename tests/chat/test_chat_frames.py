@@ -109,7 +109,10 @@ def test_a_long_answer_costs_the_same_per_frame_at_its_end_as_at_its_start(histo
     # incremental: what a frame parses is the open paragraph plus the frame's text, never the answer so far
     paragraph_chars = max(len("".join(story_tokens()[i:i + PARAGRAPH])) for i in range(0, TOKENS, PARAGRAPH))
     assert parsed and all(n <= paragraph_chars + added for n, added in parsed), max(parsed)
-    assert len(full) > 5 * (paragraph_chars + max(appended))  # a whole-answer parse would break the bound
+    # and that bound discriminates: by some frame the answer so far outgrew it, so a parse of the
+    # whole answer there would have broken it (however the frames fell on a loaded machine)
+    so_far = [sum(appended[:i + 1]) for i in range(len(appended))]
+    assert any(total > 2 * (paragraph_chars + added) for total, added in zip(so_far, appended))
 
 
 def test_frame_buffer_wakes_once_per_frame_and_at_the_end():
