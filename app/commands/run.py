@@ -62,11 +62,12 @@ def params_from(args: argparse.Namespace) -> GenerationParams:
 
 
 def speculation_words(stats: GenerationStats) -> str:
-    """", prompt lookup 2.4 tok/step (31 of 40 drafted accepted)" or the reason it did not run."""
+    """", prompt lookup 2.4 tok/step (31 of 40 drafted accepted)", or ", prompt lookup off" where auto
+    could not run it exactly (the reason is in --json's stats.speculate: one line stays short)."""
     if stats.speculate == "ngram":
         return (f", prompt lookup {stats.tokens_per_step:.2f} tok/step "
                 f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted accepted)")
-    return f", speculation {stats.speculate}" if stats.speculate.startswith("off (") else ""
+    return ", prompt lookup off" if stats.speculate.startswith("off (") else ""
 
 
 def stats_line(stats: GenerationStats, exact: bool, finish: str) -> str:
