@@ -51,10 +51,15 @@ def names() -> list[str]:
     return list(_targets())
 
 
+def unknown_backend(name: str) -> UserError:
+    return UserError(f"unknown backend {name!r}; choose one of {', '.join(USER_FACING)} "
+                     "(or auto; openai takes --endpoint URL)")
+
+
 def get(name: str) -> Backend:
     target = _targets().get(name)
     if target is None:
-        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(USER_FACING)} (or auto; openai takes --endpoint URL)")
+        raise unknown_backend(name)
     module_name, _, cls_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -102,7 +107,7 @@ def backend_class(name: str) -> type[Backend] | None:
     another machine); None when this build lacks the backend or the packages it imports."""
     target = _targets().get(name)
     if target is None:
-        raise UserError(f"unknown backend {name!r}; choose one of {', '.join(USER_FACING)} (or auto)")
+        raise unknown_backend(name)
     module_name, _, cls_name = target.partition(":")
     try:
         return getattr(importlib.import_module(module_name), cls_name)

@@ -20,7 +20,8 @@ def test_the_cli_does_not_offer_the_fake_backend(cli, monkeypatch):
     res = cli("run", "--backend", "fake", "hi")
     assert res.code == 2 and res.out == ""
     assert res.err.strip().splitlines() == [
-        "localctx: error: unknown backend 'fake'; choose one of llamacpp, torch, mlx (or auto)"]
+        "localctx: error: unknown backend 'fake'; choose one of llamacpp, torch, mlx, openai (or auto; openai takes "
+        "--endpoint URL)"]
     assert "fake" not in cli("run", "--help").out
 
 
@@ -31,7 +32,7 @@ def test_plugins_reach_the_registry_in_process_and_through_the_environment(monke
     assert registry.get("double").name == "fake"
     monkeypatch.setattr(registry, "_registered", {})
     monkeypatch.setenv(registry.PLUGINS_ENV, "other=localctx.backends.fake:FakeBackend, llamacpp=x:Y")
-    assert registry.names() == ["llamacpp", "torch", "mlx", "other"]  # a built-in is never replaced
+    assert registry.names() == ["llamacpp", "torch", "mlx", "openai", "other"]  # a built-in is never replaced
     with pytest.raises(ValueError, match="built in"):
         registry.register("torch", "localctx.backends.fake:FakeBackend")
 

@@ -27,7 +27,9 @@ class FailingSession:
 
 
 def answer(session) -> list:
-    engine, out = ChatEngine(session, reopen=lambda kv: session, params=GenerationParams(max_tokens=8)), []
+    engine, out = ChatEngine(reopen=lambda kv: session, params=GenerationParams(max_tokens=8)), []
+    engine.load(lambda: session, out.append)
+    out.clear()
     engine.answer(1, [{"role": "user", "content": "tell me about caches"}], engine.new_cancel(), out.append)
     return out
 
