@@ -73,6 +73,12 @@ def test_mlx_logits_match_the_torch_backend(models, text, chunks):
     assert mlx_cache.nbytes() == torch_cache.kv_bytes(0)
     if policy.quantized:  # float noise can flip a code at a rounding edge: rare, bounded spikes
         assert diff.mean() < 5e-3 and diff.max() < 0.15
+    elif policy.heavy:
+        # until the cache first evicts, the two graphs agree tightly; after it, float noise in the
+        # accumulated attention can break a near-tie between two candidates the other way (on an
+        # AVX2 host this happens from row 32 on), and the logits drift apart while the tokens agree
+        full = policy.sinks + policy.window + policy.heavy
+        assert diff[:full].max() < 2e-2 and diff.mean() < 1e-2
     else:
         assert diff.max() < 2e-2
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
