@@ -168,8 +168,10 @@ class LlamaCppSession(Session):
         window in a sliding layer, at llama.cpp's own row sizes for the K and V types in use, so
         q8_0/q4_0 block scales are counted (llamacpp_alloc.held_bytes)."""
         n = int(self.llm.n_tokens)
-        held = held_bytes(self.spec, self.settings.type_k, self.settings.type_v, n)
-        return held, n, self._shift.evicted if self._shift else 0
+        return self.held_bytes(n), n, self._shift.evicted if self._shift else 0
+
+    def held_bytes(self, n_tokens: int) -> int:
+        return held_bytes(self.spec, self.settings.type_k, self.settings.type_v, n_tokens)
 
     def reset(self) -> None:
         self.llm.reset()
@@ -241,7 +243,7 @@ class LlamaCppSession(Session):
             self.llm.n_tokens = start  # eval removes the cells from here on before decoding
             self.llm.eval(prompt_ids[start:save_at])
             try:
-                llamacpp_disk_cache.save(store, self.llm, prompt_ids[:save_at], save_at * self._bytes_per_token)
+                llamacpp_disk_cache.save(store, self.llm, prompt_ids[:save_at], self.held_bytes(save_at))
             except OSError as exc:
                 store.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
 

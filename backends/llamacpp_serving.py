@@ -84,7 +84,7 @@ class LlamaSlots:
         clock = StatsClock(backend="llamacpp", policy=str(s.plan.policy), prompt_tokens=len(ids), cached_tokens=reused)
 
         def kv() -> tuple[int, int, int]:
-            return seq.n_past * s._bytes_per_token, seq.n_past, 0
+            return s.held_bytes(seq.n_past), seq.n_past, 0
 
         live.events = stream(self._tokens(live), token_bytes=lambda t: s.llm.detokenize([t], special=False),
                              eos=s._eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)

@@ -82,6 +82,7 @@ class PolicyKVCache:
                                   for w, p in zip(self.model_windows, self.layer_policies)]
         self.attention = attention  # same signature as attend_reference (a fused kernel may replace it)
         self.quantize_groups = quantize_groups  # batched group quantizer (kernels_cuda.dispatch); None: per group
+        self.heavy_units = eviction.heavy_units(policy)  # the policy's own budget (a file keeps masses when > 0)
         self.track_mass = [bool(eviction.heavy_units(p)) and p.window is not None for p in self.layer_policies]
         caps = [p.capacity() for p in self.layer_policies]
         self.capacity = None if None in caps else max(caps)  # most tokens any layer holds
