@@ -165,17 +165,10 @@ class PolicyKVCache:
         ``drop_newest`` undoes any number of them exactly. 0 when the very next token ages a group
         or evicts, and always 0 while attention mass is tracked (heavy hitters: every query adds
         mass to every held token, which dropping the query cannot take back)."""
-        if self.track_mass:
+        if any(self.track_mass):
             return 0
         n = self._seq(seq_id).n_seen
-        base = eviction.held_counts(self.policy, n)
-        room = 0
-        while room < limit:
-            after = eviction.held_counts(self.policy, n + room + 1)
-            if after.quant_groups != base.quant_groups or after.tokens != base.tokens + room + 1:
-                break
-            room += 1
-        return room
+        return min(_append_room(p, n, limit) for p in set(self.layer_policies))
 
     @torch.inference_mode()
     def drop_newest(self, seq_id: int, n_tokens: int) -> None:
@@ -346,3 +339,15 @@ class PolicyKVCache:
 
     def _ids(self, seq_id: int | None) -> list[int]:
         return list(self._seqs) if seq_id is None else [seq_id]
+
+
+def _append_room(policy: KVPolicy, n_seen: int, limit: int) -> int:
+    """Tokens one layer under ``policy`` can append after ``n_seen`` with nothing aged or evicted."""
+    base = eviction.held_counts(policy, n_seen)
+    room = 0
+    while room < limit:
+        after = eviction.held_counts(policy, n_seen + room + 1)
+        if after.quant_groups != base.quant_groups or after.tokens != base.tokens + room + 1:
+            break
+        room += 1
+    return room
