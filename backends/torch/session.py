@@ -15,6 +15,7 @@ from localctx.backends import speculative
 from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session, StatsClock,
                                     check_prompt_fits, with_template_stops)
 from localctx.backends.chat_template import ChatTemplate
+from localctx.backends.slots import common_prefix
 from localctx.backends.streaming import KVProbe, stream
 from localctx.backends.torch.engine import Engine
 from localctx.backends.torch.sampling import Sampler
@@ -28,15 +29,6 @@ from localctx.kvcache.prompt_cache import PromptCache
 from localctx.kvcache.spec import ModelSpec
 
 CONVERSATION = 0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class TorchSession(Session):
