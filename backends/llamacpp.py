@@ -319,7 +319,7 @@ class LlamaCppBackend(Backend):
         return problem.line() if problem else None
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}), sinks_window=True,
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), split_kv=True, group_sizes=frozenset({32}), sinks_window=True,
                             batch=True,
                             notes=("quantized KV uses llama.cpp's q8_0 / q4_0 with flash attention",
                                    "sinks + window run through llama.cpp's context shift, with fp16 KV",

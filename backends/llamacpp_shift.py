@@ -24,6 +24,11 @@ from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
 
 KV_TYPES = {16: "f16", 8: "q8_0", 4: "q4_0"}  # llama.cpp's formats for our precisions (blocks of 32)
+
+
+def cache_types(policy: KVPolicy) -> tuple[str, str]:
+    """llama.cpp's (type_k, type_v) for ``policy``: each side's precision on its own."""
+    return KV_TYPES[policy.k_bits], KV_TYPES[policy.v_bits]
 SHIFT_CHUNK_MAX = 256
 N_BATCH = 512
 
@@ -70,9 +75,10 @@ def refusals(policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
     return out
 
 
-def flash_attn_for(bits: int, cal: Calibration | None) -> bool:
-    """Quantized V needs flash attention; for fp16 use what the calibration measured faster (default off)."""
-    if bits < 16:
+def flash_attn_for(policy: KVPolicy, cal: Calibration | None) -> bool:
+    """Quantized V needs flash attention, and quantized K runs with it as calibrated; for fp16 use
+    what the calibration measured faster (default off)."""
+    if policy.quantized:
         return True
     fc = cal.cost("fp16") if cal is not None else None
     return bool(fc.settings.get("flash_attn", False)) if fc is not None else False
@@ -91,13 +97,13 @@ def settings_for(plan: Plan, cal: Calibration | None = None) -> LlamaCppSettings
 def settings_for_policy(policy: KVPolicy, context: int, cal: Calibration | None = None) -> LlamaCppSettings:
     """n_ctx and the KV types for ``policy``; sliding layers get the compact SWA cache unless the
     policy streams through a context shift (which a compact SWA cache cannot do)."""
-    kv = KV_TYPES[policy.bits]
-    fa = flash_attn_for(policy.bits, cal)
+    type_k, type_v = cache_types(policy)
+    fa = flash_attn_for(policy, cal)
     if policy.evicts:
         n_ctx = policy.capacity()
-        return LlamaCppSettings(n_ctx=n_ctx, type_k=kv, type_v=kv, flash_attn=fa, sinks=policy.sinks,
+        return LlamaCppSettings(n_ctx=n_ctx, type_k=type_k, type_v=type_v, flash_attn=fa, sinks=policy.sinks,
                                 window=policy.window, shift_chunk=shift_chunk(policy.window), swa_full=True)
-    return LlamaCppSettings(n_ctx=context, type_k=kv, type_v=kv, flash_attn=fa)
+    return LlamaCppSettings(n_ctx=context, type_k=type_k, type_v=type_v, flash_attn=fa)
 
 
 class ContextShift:

@@ -17,7 +17,7 @@ import torch
 
 from localctx.kvcache import eviction, quant
 from localctx.kvcache.eviction_masks import keep_heaviest, leaving
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, uniform_bits
 from localctx.kvcache.quant_attention import FullTokens, QuantGroups
 
 
@@ -139,7 +139,8 @@ class LayerStore:
         self.window_only = policy.window is not None and not quantizes and heavy_units == 0
         self.main_start = policy.sinks
         self._main_start_mark: int | None = None  # main_start at the last checkpoint
-        H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
+        H, D, g = n_kv_heads, head_dim, policy.group_size
+        b = uniform_bits(policy) if quantizes else 16
         self.full_k = Rows((H, D), dtype, device)  # [N, H, D] before RoPE
         self.full_v = Rows((H, D), dtype, device)
         # stream index and attention mass per full token; a plain window needs neither
@@ -241,8 +242,8 @@ class LayerStore:
         groups = None
         if self.n_groups:
             groups = QuantGroups(
-                quant.QuantizedTensor(self.qk_codes.view, self.qk_scale.view, self.qk_min.view, self.policy.bits),
-                quant.QuantizedTensor(self.qv_codes.view, self.qv_scale.view, self.qv_min.view, self.policy.bits),
+                quant.QuantizedTensor(self.qk_codes.view, self.qk_scale.view, self.qk_min.view, self.policy.k_bits),
+                quant.QuantizedTensor(self.qv_codes.view, self.qv_scale.view, self.qv_min.view, self.policy.k_bits),
                 q_pos, self.policy.group_size)
         return full, groups, full_pos[-n_new:]
 
@@ -285,10 +286,10 @@ class LayerStore:
         k = self.full_k.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
         v = self.full_v.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
         if self.quantize_groups is not None:  # one batched call (a fused kernel on CUDA)
-            qk, qv = self.quantize_groups(k, v, p.bits, g)
+            qk, qv = self.quantize_groups(k, v, p.k_bits, g)
         else:  # all the aged groups at once
-            qk = quant.quantize_keys(k, p.bits)
-            qv = quant.quantize_values(v, p.bits, g)
+            qk = quant.quantize_keys(k, p.k_bits)
+            qv = quant.quantize_values(v, p.k_bits, g)
         self.qk_codes.append(qk.codes); self.qk_scale.append(qk.scale); self.qk_min.append(qk.min)
         self.qv_codes.append(qv.codes); self.qv_scale.append(qv.scale); self.qv_min.append(qv.min)
         self.q_idx.append(self.full_idx.view[take].reshape(n_groups, g))

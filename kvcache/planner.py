@@ -16,7 +16,7 @@ from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware import HardwareProfile, MiB
 from localctx.kvcache.plan import Plan, Rejected
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, uniform
 from localctx.kvcache.spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
 
@@ -122,12 +122,12 @@ def budget(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Back
 
 
 def exact_candidates() -> list[KVPolicy]:
-    return [KVPolicy(bits=16), KVPolicy(bits=8), KVPolicy(bits=4, residual=RESIDUAL), KVPolicy(bits=4)]
+    return [KVPolicy(), uniform(8), uniform(4, residual=RESIDUAL), uniform(4)]
 
 
 def lossy_templates(heavy: bool) -> list[KVPolicy]:
     """Windowed shapes in order of fidelity; the window is sized per candidate (placeholder 1024 here)."""
-    out = [KVPolicy(bits=b, residual=r, sinks=SINKS, window=1024)
+    out = [uniform(b, residual=r, sinks=SINKS, window=1024)
            for b, r in ((16, 0), (8, 0), (4, RESIDUAL), (4, 0))]
     if heavy:
         out += [replace(p, heavy=256) for p in out]
@@ -318,8 +318,9 @@ def _target_cost(s: _Search, policy: KVPolicy) -> str:
     given_up = []
     if free.policy.exact and not policy.exact:
         given_up.append("exactness")
-    if free.policy.bits > policy.bits:
-        given_up.append(f"precision ({free.policy.bits}-bit → {policy.bits}-bit KV)")
+    if (free.policy.k_bits, free.policy.v_bits) != (policy.k_bits, policy.v_bits) and \
+            free.policy.k_bits + free.policy.v_bits > policy.k_bits + policy.v_bits:
+        given_up.append(f"precision ({free.policy.precision} → {policy.precision} KV)")
     kept_before, kept_now = free.policy.capacity(), policy.capacity()
     if kept_now is not None and (kept_before is None or kept_now < kept_before):
         before = "the whole context" if kept_before is None else f"{kept_before:,}"

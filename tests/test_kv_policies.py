@@ -113,7 +113,7 @@ def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
     groups 1, 2, ... that are entirely older than the residual are quantized and dequantized
     (kvcache.quant), group 0 (the head) and the sinks are not; rotate at positions, dense attention."""
     policy = KVPolicy.parse(text)
-    S, g, R, bits = policy.sinks, policy.group_size, policy.residual, policy.bits
+    S, g, R, bits = policy.sinks, policy.group_size, policy.residual, policy.k_bits
     cache = PolicyKVCache(SHAPE, policy, ROPE)
     cache.add_sequence(0)
     gen = torch.Generator().manual_seed(11)
@@ -146,7 +146,7 @@ def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
 @pytest.mark.parametrize("bits,tol", [(8, 0.03), (4, 0.3)])
 def test_quantized_cache_tracks_the_full_precision_cache(bits, tol):
     exact = PolicyKVCache(SHAPE, KVPolicy(), ROPE)
-    lossy = PolicyKVCache(SHAPE, KVPolicy(bits=bits), ROPE)
+    lossy = PolicyKVCache(SHAPE, KVPolicy(k_bits=bits, v_bits=bits), ROPE)
     worst = 0.0
     steps = STEPS[:12] + [256, 256]  # 691 tokens: the 32-token full-precision head is a small part
     for (_, a), (_, b) in zip(stream(exact, [0], steps), stream(lossy, [0], steps)):

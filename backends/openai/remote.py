@@ -255,7 +255,7 @@ class RemoteBackend(Backend):
     name = "openai"
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), residual=True, sinks_window=True, heavy=True, batch=True,
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), split_kv=True, residual=True, sinks_window=True, heavy=True, batch=True,
                             notes=("the server runs the model and its KV cache; localctx serve takes the policy "
                                    "per request, other servers keep their own",))
 
