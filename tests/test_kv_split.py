@@ -1,0 +1,53 @@
+"""Keys and values at different precisions (k8v4, kf16v8, kf16v4): the cost model's bytes per
+side, the kernels that read one precision handing a split to the reference, and each backend's
+answer for a split (its cache types, or its refusal with the reason)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localctx.backends.torch.rope import Rope
+from localctx.kvcache import cost, quant
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.quant_attention import FullTokens, QuantGroups, attend_reference
+from localctx.kvcache.spec import ModelSpec
+
+SPEC = ModelSpec("tiny", "llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, hidden_size=256,
+                 vocab_size=64, context_length=4096, kv_elem_bytes=2)
+
+
+@pytest.mark.parametrize("text, k_token, v_token", [
+    ("k8v4", 128 + 4 * 4, 64 + 4 * 4), ("kf16v8", 128 * 2, 128 + 4 * 4), ("kf16v4", 128 * 2, 64 + 4 * 4),
+    ("k4v8+g64", 64 + 2 * 4, 128 + 2 * 4), ("int8", 128 + 4 * 4, 128 + 4 * 4)])
+def test_a_quantized_token_costs_each_side_at_its_own_precision(text, k_token, v_token):
+    """Per layer: K and V are 2 heads × 64 wide; a quantized side packs its bits plus an fp16 scale
+    and min per group, a side at 16 bits keeps the model's 2 bytes an element."""
+    policy = KVPolicy.parse(text)
+    assert cost.kv_bytes_per_token(SPEC, policy) == 2 * (k_token + v_token)
+    n = 1000  # the 32-token head and the rest quantized in groups of g (no residual)
+    g = policy.group_size
+    quantized = (n - g) // g * g
+    full = n - quantized
+    assert cost.kv_bytes(SPEC, policy, n) == quantized * 2 * (k_token + v_token) + full * 2 * 256 * 2
+
+
+def split_groups(k_bits: int, v_bits: int, G=2, H=2, g=32, D=64, seed=0) -> QuantGroups:
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(G, H, g, D, generator=gen), torch.randn(G, H, g, D, generator=gen)
+    qk = quant.FullGroups(k) if k_bits == 16 else quant.quantize_keys(k, k_bits)
+    qv = quant.FullGroups(v) if v_bits == 16 else quant.quantize_values(v, v_bits, g)
+    return QuantGroups(qk, qv, torch.arange(G * g).reshape(G, g), g)
+
+
+def test_the_triton_policy_attention_hands_a_split_to_the_reference(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from localctx.kernels_cuda import quant_attention as kernel
+
+    groups = split_groups(16, 4)
+    assert groups.uniform_bits is None and split_groups(8, 8).uniform_bits == 8
+    gen = torch.Generator().manual_seed(1)
+    full = FullTokens(torch.randn(2, 5, 64, generator=gen), torch.randn(2, 5, 64, generator=gen), torch.arange(64, 69))
+    q, q_pos, rope = torch.randn(1, 4, 64, generator=gen), torch.tensor([68]), Rope(64, 10000.0)
+    monkeypatch.setattr(kernel, "run_attention", lambda *a, **k: pytest.fail("the kernel was launched for a split"))
+    got = kernel.attend(q, q_pos, full, groups, rope)
+    torch.testing.assert_close(got.out, attend_reference(q, q_pos, full, groups, rope).out, atol=0, rtol=0)
