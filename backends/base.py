@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence, Union
 
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
@@ -189,6 +190,12 @@ class Backend(ABC):
 
     def refusals(self, policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
         return self.capabilities().refusals(policy)
+
+    def describe_kv(self, policy: KVPolicy) -> str:
+        """What this backend's KV cache holds for ``policy``, in words, starting "exact: " or "lossy: "
+        (what ``plan``, ``run --json``, the chat panel and serve's /v1/models show). The default is
+        the policy cache's layout (kvcache/eviction.py), which the torch and MLX backends run."""
+        return policy_cache_layout(policy)
 
     def kv_allocation(self):
         """``(spec, policy, context) -> bytes`` where this backend's KV allocation differs from the cost

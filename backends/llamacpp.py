@@ -328,6 +328,9 @@ class LlamaCppBackend(Backend):
     def refusals(self, policy: KVPolicy, spec=None) -> list[str]:
         return self.capabilities().refusals(policy) + llamacpp_shift.refusals(policy, spec)
 
+    def describe_kv(self, policy: KVPolicy) -> str:
+        return llamacpp_shift.describe(policy)
+
     def kv_allocation(self):
         """llama.cpp's own allocation (llamacpp_alloc): cells padded to 256, compact sliding layers."""
         cal = llamacpp_shift.local_calibration()

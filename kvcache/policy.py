@@ -152,21 +152,6 @@ class KVPolicy:
         cap = self.capacity()
         return n_tokens if cap is None else min(n_tokens, cap)
 
-    def describe(self) -> str:
-        kind = "exact" if self.exact else "lossy"
-        what = []
-        if self.quantized:
-            exact_ends = [] if self.evicts else [f"first {self.group_size}"]  # the head group (kvcache/eviction.py)
-            exact_ends += [f"last {self.residual}"] if self.residual else []
-            what.append(f"{precision_words(self.k_bits, self.v_bits)} (groups of {self.group_size}"
-                        + (f", {' and '.join(exact_ends)} tokens full precision)" if exact_ends else ")"))
-        else:
-            what.append("full-precision KV")
-        if self.evicts:
-            what.append(f"keeps first {self.sinks} + last {self.window}"
-                        + (f" + {self.heavy} heavy hitters" if self.heavy else "") + " tokens")
-        return f"{kind}: " + ", ".join(what)
-
 
 FP16 = KVPolicy()
 

@@ -51,3 +51,36 @@ def test_the_triton_policy_attention_hands_a_split_to_the_reference(monkeypatch)
     monkeypatch.setattr(kernel, "run_attention", lambda *a, **k: pytest.fail("the kernel was launched for a split"))
     got = kernel.attend(q, q_pos, full, groups, rope)
     torch.testing.assert_close(got.out, attend_reference(q, q_pos, full, groups, rope).out, atol=0, rtol=0)
+
+
+def test_llama_cpp_describes_its_own_cache_types_and_padding():
+    from localctx.backends.llamacpp import LlamaCppBackend
+
+    describe = LlamaCppBackend().describe_kv
+    blocks = ("blocks of 32 along the head dimension, one fp16 scale a block, for every token; "
+              "no full-precision head or residual, no per-channel key groups); cache padded to a multiple of 256 cells")
+    assert describe(KVPolicy.parse("int8")) == f"lossy: q8_0 keys and values (8-bit {blocks}"
+    assert describe(KVPolicy.parse("k8v4")) == f"lossy: q8_0 keys, q4_0 values (8-bit and 4-bit {blocks}"
+    assert describe(KVPolicy.parse("kf16v4")) == f"lossy: f16 keys, q4_0 values (4-bit {blocks}"
+    assert describe(KVPolicy.parse("fp16")) == "exact: f16 keys and values; cache padded to a multiple of 256 cells"
+    assert describe(KVPolicy.parse("kf16v8+sink4+win4096")).endswith(
+        "keeps first 4 + last 3840–4096 tokens (llama.cpp's context shift evicts 256 at a time)")
+
+
+def test_the_policy_cache_backends_describe_groups_head_and_residual():
+    from localctx.backends.torch.backend import TorchBackend
+
+    assert TorchBackend().describe_kv(KVPolicy.parse("kf16v4+res128")) == \
+        "lossy: full-precision keys, 4-bit values (groups of 32, first 32 and last 128 tokens full precision)"
+
+
+@pytest.mark.parametrize("backend, start", [("llamacpp", "lossy: q8_0 keys, q4_0 values"),
+                                            ("torch", "lossy: 8-bit keys, 4-bit values (groups of 32")])
+def test_a_plan_carries_its_backends_description(backend, start):
+    from localctx.backends.planning import planning_context, plan_fixed
+    from localctx.kvcache.planner import PlanRequest
+
+    ctx = planning_context(backend, SPEC, hardware="cpu-24gb", measure=False)
+    plan = plan_fixed(ctx, SPEC, KVPolicy.parse("k8v4"), PlanRequest(context=1000))
+    assert plan.kv_layout.startswith(start) and plan.to_dict()["kv_layout"] == plan.kv_layout
+    assert any(start in reason for reason in plan.reasons)

@@ -1,6 +1,7 @@
 import pytest
 
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.policy import KVPolicy
 
 
@@ -88,9 +89,15 @@ def test_exactness_and_capacity():
     assert KVPolicy.parse("int4").capacity() is None
 
 
-def test_describe_says_which_tokens_a_quantized_cache_keeps_exact():
-    assert KVPolicy.parse("int4+res128").describe() == \
+def test_the_policy_cache_layout_says_which_tokens_a_quantized_cache_keeps_exact():
+    assert policy_cache_layout(KVPolicy.parse("int4+res128")) == \
         "lossy: 4-bit KV (groups of 32, first 32 and last 128 tokens full precision)"
-    assert KVPolicy.parse("int8+g64").describe() == "lossy: 8-bit KV (groups of 64, first 64 tokens full precision)"
-    assert KVPolicy.parse("int4+sink4+win1024").describe() == \
+    assert policy_cache_layout(KVPolicy.parse("int8+g64")) == \
+        "lossy: 8-bit KV (groups of 64, first 64 tokens full precision)"
+    assert policy_cache_layout(KVPolicy.parse("int4+sink4+win1024")) == \
         "lossy: 4-bit KV (groups of 32), keeps first 4 + last 1024 tokens"  # with a window the sinks keep the head
+    assert policy_cache_layout(KVPolicy.parse("kf16v4+res64")) == \
+        "lossy: full-precision keys, 4-bit values (groups of 32, first 32 and last 64 tokens full precision)"
+    assert policy_cache_layout(KVPolicy.parse("k8v4")) == \
+        "lossy: 8-bit keys, 4-bit values (groups of 32, first 32 tokens full precision)"
+    assert policy_cache_layout(KVPolicy.parse("fp16")) == "exact: full-precision KV"

@@ -118,6 +118,7 @@ def remote_plan(endpoints: list[Endpoint], req: RemoteRequest) -> tuple[Plan, Mo
     plan = Plan(backend="openai", policy=policy, context=context, kv_bytes=int(served.get("kv_bytes", 0)),
                 weight_bytes=int(served.get("weight_bytes", 0)), decode_tok_s=served.get("decode_tok_s"),
                 prefill_tok_s=served.get("prefill_tok_s"), hardware=f"remote: {names}",
+                kv_layout=str(served.get("kv_layout", "")),
                 reasons=[f"planned by localctx serve at {first.url} (backend {served.get('backend')})",
                          *[str(r) for r in served.get("reasons", [])]])
     send = {"kv": str(policy), **({"context": req.context} if req.context else {})}
@@ -293,7 +294,7 @@ def describe_remote(req: RemoteRequest, as_json: bool) -> int:
         return 0
     print(f"model     {session.model} on {', '.join(info['endpoints'])}")
     if session.is_localctx:
-        print(f"policy    {plan.policy}  ({plan.policy.describe()}), planned by localctx serve")
+        print(f"policy    {plan.policy}  ({plan.kv_layout}), planned by localctx serve")
     else:
         print("policy    the server's: localctx cannot see or set its KV cache")
     print(f"context   {plan.context:,} tokens")
