@@ -84,3 +84,37 @@ def test_a_plan_carries_its_backends_description(backend, start):
     plan = plan_fixed(ctx, SPEC, KVPolicy.parse("k8v4"), PlanRequest(context=1000))
     assert plan.kv_layout.startswith(start) and plan.to_dict()["kv_layout"] == plan.kv_layout
     assert any(start in reason for reason in plan.reasons)
+
+
+def test_llama_cpp_shifts_a_window_with_quantized_values_but_not_quantized_keys():
+    from localctx.backends.llamacpp import LlamaCppBackend
+
+    backend = LlamaCppBackend()
+    for ok in ("kf16v8+sink4+win1024", "kf16v4+sink4+win1024", "k8v4", "kf16v4"):
+        assert backend.refusals(KVPolicy.parse(ok), SPEC) == [], ok
+    for refused in ("k8v4+sink4+win1024", "int8+sink4+win1024", "k8vf16+sink4+win1024"):
+        (reason,) = backend.refusals(KVPolicy.parse(refused), SPEC)
+        assert "requantise the quantized K cache" in reason and "kf16v8+sink4+win4096" in reason
+
+
+def test_the_mlx_cache_refuses_a_split_with_the_reason():
+    pytest.importorskip("mlx.core", reason="MLX is not installed")
+    from localctx.backends import registry
+
+    (reason,) = registry.backend_class("mlx")().refusals(KVPolicy.parse("kf16v4"), SPEC)
+    assert reason.startswith("keys and values at different precisions (kf16v4) are not supported")
+    assert registry.backend_class("mlx")().refusals(KVPolicy.parse("int4"), SPEC) == []
+
+
+@pytest.mark.slow
+def test_a_llama_cpp_window_with_quantized_values_streams_through_the_shift(smollm2_path, cli):
+    """SmolLM2 on llama.cpp, f16 keys and q8_0 values: a 300-token prompt through a 128-token window."""
+    import json
+
+    prompt = " ".join(["the river carried seven stones past the mill"] * 34)
+    res = cli("run", "-m", str(smollm2_path), "--backend", "llamacpp", "--kv", "kf16v8+sink4+win128",
+              "--max-tokens", "8", "--raw", "--json", prompt)
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+    assert out["stats"]["evicted_tokens"] > 0 and out["stats"]["generated_tokens"] == 8
+    assert out["kv_layout"].startswith("lossy: f16 keys, q8_0 values")
