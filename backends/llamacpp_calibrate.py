@@ -21,14 +21,17 @@ from localctx.kvcache.policy import KVPolicy
 # the settings timed per format; the faster fp16 variant wins (flash attention helps on some CPUs only)
 # the step is flat for the first few hundred tokens and then grows linearly: time both stretches
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
-VARIANTS = (("fp16", "f16", False), ("fp16", "f16", True), ("int8", "q8_0", True), ("int4", "q4_0", True))
+# (format, type_k, type_v, flash attention): keys and values apart too (quantized V needs flash attention)
+VARIANTS = (("fp16", "f16", "f16", False), ("fp16", "f16", "f16", True), ("int8", "q8_0", "q8_0", True),
+            ("int4", "q4_0", "q4_0", True), ("kf16v8", "f16", "q8_0", True), ("kf16v4", "f16", "q4_0", True),
+            ("k8v4", "q8_0", "q4_0", True))
 
 
 @dataclass
 class _Probe:
     """One llama.cpp context holding ``n`` tokens, ready to time single decode steps at position n."""
     fmt: str
-    type_name: str
+    type_name: str  # "q8_0", or "f16/q4_0" where keys and values differ
     flash_attn: bool
     n: int
     llm: object
@@ -54,15 +57,20 @@ def _text_tokens(llm, n: int) -> list[int]:
     return ids[: n + 1]
 
 
-def _open(path: Path, type_name: str, flash_attn: bool, n_ctx: int, threads: int):
+def _type_name(type_k: str, type_v: str) -> str:
+    return type_k if type_k == type_v else f"{type_k}/{type_v}"
+
+
+def _open(path: Path, type_k: str, type_v: str, flash_attn: bool, n_ctx: int, threads: int):
     import llama_cpp
     from llama_cpp import Llama
 
     from localctx.backends.llamacpp import quiet_stderr
 
-    tid = getattr(llama_cpp, f"GGML_TYPE_{type_name.upper()}")
+    tid = lambda name: getattr(llama_cpp, f"GGML_TYPE_{name.upper()}")
     with quiet_stderr():
-        return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_batch=512, type_k=tid, type_v=tid,
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_batch=512, type_k=tid(type_k),
+                     type_v=tid(type_v),
                      flash_attn=flash_attn, verbose=False)
 
 
@@ -79,19 +87,19 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXT
     hw = detect()
     threads = threads or default_threads()
     n_ctx = max(contexts) + 16
-    llms = [_open(ref.path, type_name, fa, n_ctx, threads) for _, type_name, fa in VARIANTS]
+    llms = [_open(ref.path, type_k, type_v, fa, n_ctx, threads) for _, type_k, type_v, fa in VARIANTS]
     ids = _text_tokens(llms[0], max(contexts))
     probes: list[_Probe] = []
     prefill_rates = []
     filled = 0
     for n in sorted(contexts):
         stage = []
-        for (fmt, type_name, fa), llm in zip(VARIANTS, llms):
+        for (fmt, type_k, type_v, fa), llm in zip(VARIANTS, llms):
             t0 = time.perf_counter()
             llm.eval(ids[filled:n])
             if (fmt, fa) == ("fp16", False):
                 prefill_rates.append((n - filled) / (time.perf_counter() - t0))
-            stage.append(_Probe(fmt, type_name, fa, n, llm, ids[n], []))
+            stage.append(_Probe(fmt, _type_name(type_k, type_v), fa, n, llm, ids[n], []))
         progress(f"  filled {len(llms)} llama.cpp contexts to {n:,} tokens")
         for r in range(rounds):
             for probe in stage:
@@ -108,7 +116,8 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXT
 def _fit(spec, ref, hw, probes: list[_Probe], prefill_rates: list[float], threads: int) -> Calibration:
     formats: dict[str, FormatCost] = {}
     lines = []
-    for fmt, type_name, fa in VARIANTS:
+    for fmt, type_k, type_v, fa in VARIANTS:
+        type_name = _type_name(type_k, type_v)
         mine = [p for p in probes if (p.fmt, p.type_name, p.flash_attn) == (fmt, type_name, fa)]
         policy = KVPolicy.parse(fmt)
         points = [(p.n, cost.kv_bytes(spec, policy, p.n), statistics.median(p.samples)) for p in mine]

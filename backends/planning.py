@@ -9,7 +9,7 @@ from pathlib import Path
 from localctx.backends import registry
 from localctx.backends.base import Backend, Capabilities
 from localctx.backends.hardware import resolve_hardware
-from localctx.kvcache import calibration, cost
+from localctx.kvcache import calibration, cost, quality
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware import HardwareProfile
 from localctx.kvcache.plan import Plan
@@ -47,7 +47,7 @@ def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ..
     backend: Backend = cls()
     backend.check_model(spec)
     return BackendView(name, lambda policy: backend.refusals(policy, spec), backend.kv_allocation(),
-                       backend.describe_kv), ()
+                       backend.describe_kv, quality.load()), ()
 
 
 def calibration_name(name: str, hw: HardwareProfile) -> str:
@@ -114,6 +114,7 @@ def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: Pla
                 reasons=[f"KV policy {policy} from --kv ({layout})", b.describe(),
                          f"decode ≈ {tok_s:.0f} tok/s at {context:,} tokens ({ctx.speed.basis(policy)})",
                          f"KV {cost.format_bytes(need)} at {context:,} tokens" + layout_note(spec, policy)]
+                + ([ctx.backend.quality.refusal(policy) or ctx.backend.quality.note(policy)] if policy.quantized else [])
                 + [f"assumed: {a}" for a in spec.assumptions])
 
 

@@ -1,10 +1,14 @@
 """The planner (docs/architecture.md "Planner"): picks the KV policy from memory capacity, bandwidth and the
 backend's calibrated costs, and explains the choice and every rejected alternative.
 
-Order of preference: exact fp16 → int8 → int4 (+ a full-precision residual where the backend has
-one) → lossy sinks + the largest window that fits (optionally heavy hitters). The first candidate
-the backend can run, that fits the KV budget (free memory − weights − runtime − safety margin),
-holds the requested context within the trained length, and meets the speed target, wins."""
+Order of preference: exact fp16 → int8 → k8v4 (keys keep 8 bits where int8 does not fit) → int4
+(+ a full-precision residual where the backend has one) → lossy sinks + the largest window that
+fits (optionally heavy hitters). kf16v8 (before int8) and kf16v4 (after it) are considered only
+where the backend's calibration measured them: they hold more bytes than int8, so they win only
+by measured speed or where int8 is refused. The first candidate the backend can run, whose
+measured quality on that backend meets the goals (kvcache/quality.py), that fits the KV budget
+(free memory − weights − runtime − safety margin), holds the requested context within the
+trained length, and meets the speed target, wins."""
 from __future__ import annotations
 
 import re
@@ -18,6 +22,7 @@ from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.hardware import HardwareProfile, MiB
 from localctx.kvcache.plan import Plan, Rejected
 from localctx.kvcache.policy import KVPolicy, uniform
+from localctx.kvcache.quality import NO_VERDICTS, BackendQuality, QualityTable
 from localctx.kvcache.spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
 
@@ -56,6 +61,11 @@ class BackendView:
     refusals: Callable[[KVPolicy], list[str]]
     allocated: Callable[[ModelSpec, KVPolicy, int], int] | None = None
     describe: Callable[[KVPolicy], str] = policy_cache_layout
+    quality_table: QualityTable = NO_VERDICTS  # measured quality per backend (assets/kv_quality.json)
+
+    @property
+    def quality(self) -> BackendQuality:
+        return self.quality_table.for_backend(self.name)
 
     def kv_bytes(self, spec: ModelSpec, policy: KVPolicy, context: int) -> int:
         """Peak KV bytes of ``policy`` over ``context`` tokens, as this backend holds them."""
@@ -124,14 +134,25 @@ def budget(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Back
     return Budget(free=free, weights=spec.weight_bytes, runtime=runtime, margin=margin, limited_by=limited_by)
 
 
-def exact_candidates() -> list[KVPolicy]:
-    return [KVPolicy(), uniform(8), uniform(4, residual=RESIDUAL), uniform(4)]
+# keys and values apart, with full-precision keys: more bytes than int8, so chosen only where measured
+MEASURED_ONLY = (KVPolicy(k_bits=16, v_bits=8), KVPolicy(k_bits=16, v_bits=4))
+
+
+def exact_candidates(speed: SpeedModel | None = None) -> list[KVPolicy]:
+    """In order of fidelity: fp16, [kf16v8], int8, [kf16v4], k8v4, int4+res, int4; the bracketed
+    ones only where ``speed``'s calibration measured them."""
+    measured = [p for p in MEASURED_ONLY if speed is not None and speed.calibrated(p)]
+    kf16v8, kf16v4 = ([p] if p in measured else [] for p in MEASURED_ONLY)
+    return [KVPolicy(), *kf16v8, uniform(8), *kf16v4, KVPolicy(k_bits=8, v_bits=4),
+            uniform(4, residual=RESIDUAL), uniform(4)]
 
 
 def lossy_templates(heavy: bool) -> list[KVPolicy]:
-    """Windowed shapes in order of fidelity; the window is sized per candidate (placeholder 1024 here)."""
-    out = [uniform(b, residual=r, sinks=SINKS, window=1024)
-           for b, r in ((16, 0), (8, 0), (4, RESIDUAL), (4, 0))]
+    """Windowed shapes in order of fidelity; the window is sized per candidate (placeholder 1024 here).
+    Full-precision keys with quantized values (kf16v8, kf16v4) widen the window where an engine
+    cannot shift quantized keys (llama.cpp); elsewhere int8 / int4 windows are wider."""
+    out = [KVPolicy(k_bits=k, v_bits=v, residual=r, sinks=SINKS, window=1024)
+           for k, v, r in ((16, 16, 0), (16, 8, 0), (8, 8, 0), (16, 4, 0), (8, 4, 0), (4, 4, RESIDUAL), (4, 4, 0))]
     if heavy:
         out += [replace(p, heavy=256) for p in out]
     return out
@@ -163,6 +184,10 @@ class _Search:
             return False
         if self.req.exact and not policy.exact:
             self.reject(policy, f"--exact allows full-precision KV only ({self.backend.describe(policy)})")
+            return False
+        poor = self.backend.quality.refusal(policy)
+        if poor:
+            self.reject(policy, poor)
             return False
         if self.context > self.spec.context_length:
             self.reject(policy, f"holds all {self.context:,} tokens, past the {self.spec.context_length:,} "
@@ -214,6 +239,10 @@ class _Search:
         if refused:
             self.reject(_shape(template), f"{self.backend.name} cannot: " + "; ".join(refused))
             return None
+        poor = self.backend.quality.refusal(template)
+        if poor:
+            self.reject(_shape(template), poor)
+            return None
         limits = self.window_limits(template)
         if template.heavy:
             limits = {k: v * (HEAVY_FRACTION - 1) // HEAVY_FRACTION for k, v in limits.items()}
@@ -243,7 +272,7 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
             f"{spec.name} does not fit {hw.name}: weights {format_bytes(spec.weight_bytes)} + runtime "
             f"{format_bytes(b.runtime)} + margin {format_bytes(b.margin)} exceed {b.limited_by} "
             f"{format_bytes(b.free)}; use a smaller or more quantized model", [])
-    for policy in exact_candidates():
+    for policy in exact_candidates(speed):
         if s.exact_fits(policy):
             return _finish(s, policy, head + [_why_exact(policy, s)])
     if req.exact:
@@ -264,14 +293,19 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
             s.reject(other, f"its window is at most 5% larger than {best}'s, at lower precision")
     why = (f"lossy: keeps the first {best.sinks} and the last {best.window:,} tokens"
            + (f" plus {best.heavy:,} heavy hitters" if best.heavy else "")
-           + f" of a {context:,}-token stream; the window is bound by {bound}")
+           + f" of a {context:,}-token stream; the window is bound by {bound}"
+           + (f"; {s.backend.quality.note(best)}" if best.quantized else ""))
     return _finish(s, best, head + [why])
 
 
 def _why_exact(policy: KVPolicy, s: _Search) -> str:
     if policy.exact:
         return f"exact: full-precision KV for all {s.context:,} tokens fits"
-    return f"{s.backend.describe(policy)}: the most precise format that fits {s.context:,} tokens"
+    why = f"{s.backend.describe(policy)}: the most precise format that fits {s.context:,} tokens"
+    if policy.split:
+        why += (f"; keys at {policy.k_bits} bits, values at {policy.v_bits}: keys set every attention score "
+                "and lose more to quantization than values (KIVI)")
+    return why + "; " + s.backend.quality.note(policy)
 
 
 def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:

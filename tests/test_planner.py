@@ -34,13 +34,13 @@ def test_exact_fp16_is_preferred_when_it_fits_and_the_speed_is_stated():
     assert p.kv_bytes == cost.kv_bytes(known_spec("llama-3-8b"), KVPolicy(), 8192)
 
 
-def test_memory_pressure_walks_down_fp16_int8_int4_with_reasons():
+def test_memory_pressure_walks_down_fp16_int8_k8v4_int4_with_reasons():
     spec = known_spec("llama-3.1-70b-q4")
     hw = hardware.named("m2-max-64gb")
-    choices = [str(plan(hw, spec, PlanRequest(context=c), EVERYTHING).policy) for c in (4096, 24576, 32768)]
-    assert choices == ["fp16", "int8", "int4+res128"]
-    p = plan(hw, spec, PlanRequest(context=32768), EVERYTHING)
-    assert [r.policy for r in p.rejected] == ["fp16", "int8"]
+    choices = [str(plan(hw, spec, PlanRequest(context=c), EVERYTHING).policy) for c in (4096, 24576, 32768, 40960)]
+    assert choices == ["fp16", "int8", "k8v4", "int4+res128"]  # keys keep 8 bits before they drop to 4
+    p = plan(hw, spec, PlanRequest(context=40960), EVERYTHING)
+    assert [r.policy for r in p.rejected] == ["fp16", "int8", "k8v4"]
     assert all("over the" in r.reason and "budget" in r.reason for r in p.rejected)
 
 
