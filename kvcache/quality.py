@@ -38,9 +38,11 @@ class Verdict:
     passkey_delta_points: float
     source: str
     detail: str = ""
+    model: str = ""  # the model it was measured on
 
     def measured(self) -> str:
-        return (f"measured on {self.backend}: perplexity {self.perplexity_delta_pct:+.2f}%, passkey "
+        on = f"{self.backend}" + (f" with {self.model}" if self.model else "")
+        return (f"measured on {on}: perplexity {self.perplexity_delta_pct:+.2f}%, passkey "
                 f"{self.passkey_delta_points:+g} points vs full precision ({self.source})")
 
     def broken_goals(self, policy: KVPolicy) -> str | None:
@@ -97,7 +99,8 @@ NO_VERDICTS = QualityTable({})
 def parse(data: dict, source: str) -> QualityTable:
     try:
         verdicts = {backend: {fmt: Verdict(backend, str(KVPolicy.parse(fmt)), float(v["perplexity_delta_pct"]),
-                                           float(v["passkey_delta_points"]), str(v["source"]), str(v.get("detail", "")))
+                                           float(v["passkey_delta_points"]), str(v["source"]), str(v.get("detail", "")),
+                                           str(v.get("model", "")))
                               for fmt, v in formats.items()}
                     for backend, formats in data["verdicts"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
