@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import io
 import os
@@ -116,7 +117,8 @@ class LlamaCppSession(Session):
         from llama_cpp import Llama
 
         self.spec = read_spec(ref)
-        self.plan = plan
+        # whoever made the plan, the session says what llama.cpp holds
+        self.plan = dataclasses.replace(plan, kv_layout=llamacpp_shift.describe(plan.policy))
         self.backend_name = "llamacpp"
         policy = plan.policy
         self.settings = llamacpp_shift.settings_for(plan, llamacpp_shift.local_calibration())

@@ -30,6 +30,10 @@ class Plan:
     rejected: list[Rejected] = field(default_factory=list)
     kv_layout: str = ""  # what the backend's cache holds for ``policy``, in words (Backend.describe_kv)
 
+    def __post_init__(self) -> None:
+        if not self.kv_layout:  # a plan made without its backend's words: the policy cache's
+            self.kv_layout = policy_cache_layout(self.policy)
+
     @property
     def exact(self) -> bool:
         return self.policy.exact
@@ -40,14 +44,14 @@ class Plan:
 
     @classmethod
     def fixed(cls, backend: str, spec: ModelSpec, policy: KVPolicy, context: int | None = None,
-              reason: str = "", kv_layout: str | None = None) -> "Plan":
+              reason: str = "", kv_layout: str = "") -> "Plan":
         """A plan that takes the policy as given (``--kv`` or a test), with the cost model's projection;
         ``kv_layout`` defaults to the policy cache's (kvcache/eviction.py)."""
         ctx = context or spec.context_length
         return cls(backend=backend, policy=policy, context=ctx,
                    kv_bytes=cost.max_kv_bytes(spec, policy, ctx), weight_bytes=spec.weight_bytes,
                    reasons=[reason or f"KV policy {policy} as requested"],
-                   kv_layout=policy_cache_layout(policy) if kv_layout is None else kv_layout)
+                   kv_layout=kv_layout)
 
     def to_dict(self) -> dict:
         return {

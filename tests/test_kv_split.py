@@ -118,3 +118,37 @@ def test_a_llama_cpp_window_with_quantized_values_streams_through_the_shift(smol
     out = json.loads(res.out)
     assert out["stats"]["evicted_tokens"] > 0 and out["stats"]["generated_tokens"] == 8
     assert out["kv_layout"].startswith("lossy: f16 keys, q8_0 values")
+
+
+@pytest.mark.parametrize("text", ["k8v4", "kf16v4+res16", "k4vf16+sink2+win64+heavy8"])
+def test_a_split_cache_exports_and_imports_what_it_holds(text):
+    """A prompt-cache file of a split policy: each side's own rows (codes and scales, or full rows)."""
+    from localctx.kvcache.policy_cache import PolicyCacheShape, PolicyKVCache
+
+    L, H, HKV, D = 2, 4, 2, 64
+    policy, rope = KVPolicy.parse(text), Rope(D, 10000.0)
+    shape = PolicyCacheShape(L, HKV, D, torch.float32)
+    source, copy = PolicyKVCache(shape, policy, rope), PolicyKVCache(shape, policy, rope)
+    gen = torch.Generator().manual_seed(5)
+    step = lambda T: [tuple(torch.randn(1, T, h, D, generator=gen) for h in (H, HKV, HKV)) for _ in range(L)]
+
+    @torch.inference_mode()  # as the sessions run it (import_sequence makes inference tensors)
+    def run(cache, qkv):
+        cache.begin_step([0], qkv[0][0].shape[1])
+        out = [cache.attend(i, q, k, v) for i, (q, k, v) in enumerate(qkv)]
+        cache.end_step()
+        return out
+
+    source.add_sequence(0)
+    for T in (70, 1, 40, 1):
+        run(source, step(T))
+    tensors = source.export_sequence(0)
+    side_rows = {"qk_codes", "qk_full", "qv_codes", "qv_full"} & set(tensors)
+    assert side_rows == {"qk_full" if policy.k_bits == 16 else "qk_codes", "qv_full" if policy.v_bits == 16 else "qv_codes"}
+    copy.import_sequence(0, tensors)
+    assert copy.kv_bytes(0) == source.kv_bytes(0) == cost.kv_bytes(
+        ModelSpec("t", "llama", n_layers=L, n_heads=H, n_kv_heads=HKV, head_dim=D, hidden_size=H * D, vocab_size=8,
+                  context_length=4096, kv_elem_bytes=4), policy, 112)
+    nxt = step(1)
+    for a, b in zip(run(source, nxt), run(copy, nxt)):
+        assert torch.equal(a, b)

@@ -103,7 +103,8 @@ def remote_plan(endpoints: list[Endpoint], req: RemoteRequest) -> tuple[Plan, Mo
                                                            "give --context to match the server"),
                    "prompt tokens are estimated here (no tokenizer on the server's API)"]
         plan = Plan(backend="openai", policy=KVPolicy.parse("fp16"), context=context, kv_bytes=0,
-                    hardware=f"remote: {names}", reasons=reasons)
+                    hardware=f"remote: {names}", reasons=reasons,
+                    kv_layout="the server's own KV cache: localctx cannot see or set it")
         spec = _spec(first.model, int(first.card.get("max_model_len") or context))
         return plan, spec, None
     served = ext.get("plan") or {}
