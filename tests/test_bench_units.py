@@ -126,8 +126,47 @@ def test_planner_goal_flags_a_quantized_pick_that_measured_slower():
     comparisons = [{"backend": "llamacpp", "policy": "int4", "ratio": 0.4}]
     picks = [{"backend": "llamacpp", "context": 8192, "policy": "int4", "fp16_fits": True}]
     assert goals.planner_goal(picks, comparisons)["status"] == "fails"
-    picks[0]["fp16_fits"] = False  # quantized because fp16 does not fit: allowed
-    assert goals.planner_goal(picks, comparisons)["status"] == "holds"
+    picks[0]["fp16_fits"] = False  # quantized because fp16 does not fit: allowed, but nothing forced was asked
+    assert goals.planner_goal(picks, comparisons)["status"] == "not measured"
+
+
+FORCED_ENTRIES = [_entry("llamacpp", "fp16", {8192: 40.0}), _entry("llamacpp", "int8", {8192: 30.0}),
+                  _entry("llamacpp", "int4", {8192: 20.0}), _entry("llamacpp", "fp16+sink4+win1024", {8192: 60.0})]
+FREE_PICKS = [{"backend": "llamacpp", "context": 8192, "policy": "fp16", "fp16_fits": True}]
+
+
+def _memory_pick(policy: str) -> dict:
+    return {"backend": "llamacpp", "context": 8192, "forced": "memory", "max_memory": 10**9, "kv_budget": 10**8,
+            "fitting": ["int8", "int4", "fp16+sink4+win1024"], "policy": policy}
+
+
+def _speed_pick(policy: str) -> dict:
+    return {"backend": "llamacpp", "context": 8192, "forced": "speed", "min_tok_s": 42.0, "policy": policy}
+
+
+@pytest.mark.parametrize("pick, status", [
+    (_memory_pick("int8"), "holds"),  # the fastest format under the cap that keeps every token
+    (_memory_pick("int4"), "fails"),  # int8 fits too and measured 1.5× faster
+    (_memory_pick("none (nothing fits)"), "holds"),  # refusing picks nothing slower
+    (_speed_pick("fp16+sink4+win1024"), "holds"),  # 1.5× fp16: meets a target above fp16
+    (_speed_pick("int8"), "fails"),  # picked for speed, measured slower than the fp16 it replaced
+    (_speed_pick("int8+sink4+win512"), "not measured"),  # the bench has no such series
+])
+def test_planner_goal_judges_forced_picks_against_the_bench(pick, status):
+    verdict = goals.planner_goal(FREE_PICKS, [], [pick], FORCED_ENTRIES)
+    assert verdict["status"] == status, verdict["detail"]
+    if status == "fails":
+        assert "slower than an alternative: llamacpp 8k" in verdict["detail"]
+
+
+def test_memory_pick_is_compared_only_with_formats_that_evict_as_it_does():
+    # the windowed fp16 fits and is faster, but it drops tokens: a pick that keeps every token is judged
+    # against the formats that keep every token
+    assert goals.forced_pick_verdict(_memory_pick("int8"), FORCED_ENTRIES)[0] == "good"
+    lossy = {**_memory_pick("fp16+sink4+win1024"), "fitting": ["int8", "fp16+sink4+win1024"]}
+    assert goals.forced_pick_verdict(lossy, FORCED_ENTRIES)[0] == "good"
+    slow_lossy = {**_memory_pick("int8"), "fitting": ["int8", "int4"]}
+    assert goals.forced_pick_verdict({**slow_lossy, "policy": "int4"}, FORCED_ENTRIES)[0] == "bad"
 
 
 def test_time_budget_stops_only_between_whole_runs():
