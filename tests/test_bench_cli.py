@@ -86,7 +86,7 @@ def test_headline_and_goals_are_reported(fake_run):
     rows = {r["series"]: r for r in head["rows"]}
     assert rows["fake/fp16"]["ratio"] > 0 and rows["fake/fp16"]["ratio_far"] is None
     assert rows["fake/int8+sink4+win64"]["ratio_far"] > 0
-    window, torch_quant, planner = result["goals"]
+    window, torch_quant, planner, planner_speed = result["goals"]
     assert window["status"] in ("holds", "fails") and "fake/int8+sink4+win64" in window["detail"]
     assert torch_quant["status"] == "not measured"  # no torch series in this run
     # the planner is asked for each backend at each context within the trained length; fp16 fits a fake model
@@ -102,6 +102,7 @@ def test_headline_and_goals_are_reported(fake_run):
     # the planner's int8 is not among this run's --kv, so the goal cannot judge it: it says so
     assert planner["status"] == "not measured", planner["detail"]
     assert "fake 128 memory → int8 (not benched)" in planner["detail"]
+    assert planner_speed["status"] == "holds" and "fake 128 speed → refused" in planner_speed["detail"]
 
 
 def test_from_json_redraws_without_measuring(fake_run, cli, tmp_path):
