@@ -129,7 +129,7 @@ def _verdict(goal: str, judged: list[tuple[str, str]], bad: list[str], unmeasure
     if bad:
         detail += "; slower than an alternative: " + ", ".join(bad)
     if unmeasured:
-        detail += "; not benched: " + ", ".join(sorted(set(unmeasured)))
+        detail += "; not benched: " + ", ".join(sorted({u.replace(" (not benched)", "") for u in unmeasured}))
     return {"goal": goal, "status": status, "detail": detail}
 
 
