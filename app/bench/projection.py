@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localctx.backends.hardware import measure_copy_bandwidth
+from localctx.backends.hardware import load_per_core, measure_copy_bandwidth
 from localctx.backends.planning import PlanningContext, make_auto_plan, planning_context
 from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
@@ -41,8 +41,10 @@ class Projector:
         # from another time); on a GPU the planner's figure (NVML or table) is the one that applies
         self.bandwidth_bytes_s, self.bandwidth_source = self.hardware.bandwidth_bytes_s, self.hardware.bandwidth_source
         if self.hardware.kind == "cpu" and hardware is None:
+            load = load_per_core()
             self.bandwidth_bytes_s = measure_copy_bandwidth()
-            self.bandwidth_source = "measured at the start of this run (numpy copy, best of 6)"
+            self.bandwidth_source = ("measured at the start of this run (numpy copy, best of 6, one thread and all "
+                                     f"cores; load {load:.1f} per core)")
 
     def _ctx(self, backend: str) -> PlanningContext:
         return self.contexts.get(backend) or self.contexts[BASELINE_AS]
