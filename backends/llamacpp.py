@@ -113,7 +113,9 @@ class _EndOfGeneration:
 
 
 class LlamaCppSession(Session):
-    def __init__(self, ref: ModelRef, plan: Plan, threads: int | None = None):
+    def __init__(self, ref: ModelRef, plan: Plan, threads: int | None = None, own_context: int | None = None):
+        """``own_context``: the cells of this session's own context when another context on the same
+        weights holds the plan's KV (serve's slots, llamacpp_serving.open_slots); by default the plan's."""
         from llama_cpp import Llama
 
         self.spec = read_spec(ref)
@@ -130,7 +132,7 @@ class LlamaCppSession(Session):
         try:
             with quiet_stderr(log):
                 n_threads = threads or default_threads()
-                self.llm = Llama(model_path=str(ref.path), n_ctx=self.settings.n_ctx, n_threads=n_threads,
+                self.llm = Llama(model_path=str(ref.path), n_ctx=own_context or self.settings.n_ctx, n_threads=n_threads,
                                  n_threads_batch=n_threads, n_batch=512, n_ubatch=N_UBATCH, type_k=type_k,
                                  type_v=type_v, flash_attn=self.settings.flash_attn,
                                  swa_full=self.settings.swa_full, verbose=True)  # the log, into ``log``

@@ -2,7 +2,9 @@
 
 The context is opened beside the session's own on the same weights (llamacpp_batch.BatchDecoder)
 with one KV stream per slot (``kv_unified`` off); the plan's context is split between the slots,
-as llama.cpp's own server does, so all slots together hold the plan's KV. Each live stream feeds
+as llama.cpp's own server does, so all slots together hold the plan's KV. ``open_slots`` loads
+the session with a minimal context of its own (``OWN_CONTEXT`` cells: the tokenizer and weights
+are what the slots share with it), so the server holds the plan's KV once, not twice. Each live stream feeds
 its last token in one shared ``llama_decode`` per step (the weights are read once per step), and
 streams join and leave between steps. A slot keeps its cells after its request: a follow-up
 that extends the conversation removes only the cells past the common prefix
@@ -28,6 +30,16 @@ class LiveStream:
     slot: Slot
     seq: _Sequence
     events: Iterator[GenerationEvent] | None = None
+
+
+OWN_CONTEXT = _CTX_ROUND  # cells of the session's own context beside the slots' (llama.cpp's minimum pad)
+
+
+def open_slots(ref, plan, n_slots: int) -> "LlamaSlots":
+    """The session and its slots for a server: the slots' context holds the plan's KV."""
+    from localctx.backends.llamacpp import LlamaCppSession
+
+    return LlamaSlots(LlamaCppSession(ref, plan, own_context=OWN_CONTEXT), n_slots)
 
 
 class LlamaSlots:

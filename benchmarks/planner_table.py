@@ -1,11 +1,16 @@
 """The planner's decision table for docs/planner.md: named machines × known models × contexts.
 
-    PYTHONPATH=.dev python benchmarks/planner_table.py > /tmp/table.md
+    PYTHONPATH=.dev python benchmarks/planner_table.py --json docs/planner-table.json > /tmp/table.md
 
 Each row is what `localctx plan -m MODEL --hardware H --context N` decides, with the backend that
 machine would run (Apple → mlx, NVIDIA → torch, CPU → llama.cpp) and that backend's capabilities in
 this build."""
 from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
 
 from localctx.backends.planning import decision_rows
 from localctx.kvcache.cost import format_bytes
@@ -25,8 +30,24 @@ def short_reason(row) -> str:
     return why.replace("lossy: ", "").replace("exact: ", "")
 
 
-def main() -> None:
+def raw(row) -> dict:
+    """One row as data: the inputs, the budget, and the plan (or the refusal and each candidate's reason)."""
+    out = {"hardware": row.profile, "hardware_described": row.hardware.describe(), "model": row.spec.name,
+           "context": row.context, "kv_budget_bytes": row.budget_kv, "why": short_reason(row)}
+    if row.plan is None:
+        return {**out, "plan": None, "refusal": row.refusal,
+                "rejected": [{"policy": str(r.policy), "reason": r.reason} for r in row.rejected]}
+    return {**out, "plan": row.plan.to_dict()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write every row as data here")
+    args = ap.parse_args(argv)
     rows = decision_rows()
+    if args.json:
+        command = "python benchmarks/planner_table.py " + " ".join(argv or sys.argv[1:])
+        Path(args.json).write_text(json.dumps({"command": command, "rows": [raw(r) for r in rows]}, indent=1) + "\n")
     print("| hardware | model | context | backend | policy | KV peak / KV budget | decode tok/s | why |")
     print("|---|---|---:|---|---|---|---:|---|")
     for r in rows:

@@ -2,9 +2,10 @@
 
 1. **Second question about a long document.** The document is built from Python's
    ``pydoc_data.topics`` (no download), cut to ``--doc-tokens``. Per backend and KV policy, in a
-   fresh cache directory: a *cold* session (prompt cache off) answers question 2; a session with
-   the prompt cache answers question 1 (writing the document's KV); a *new* session answers
-   question 2 again, loading the document's KV from disk. Reported: time to first token of both
+   fresh cache directory: a session with the prompt cache answers question 1 (writing the
+   document's KV); a *cold* session (prompt cache off) answers question 2; right after it a *new*
+   session answers question 2 again, loading the document's KV from disk (the two timed runs sit
+   side by side; the load average after each run is recorded, as the machine may be shared). Reported: time to first token of both
    question-2 runs, whether their greedy answers are identical, and the file's size against the
    cost model's KV bytes for the tokens it holds.
 2. **Prompt lookup.** One prompt per task, greedy, ``--speculate off`` and ``ngram`` alternating
@@ -12,7 +13,7 @@
    and whether the outputs are identical. The extractive task asks the model to copy a passage
    with one word changed; the free-form task asks for a short story.
 
-    PYTHONPATH=.dev python benchmarks/reuse_bench.py --json docs/benchmarks-reuse.json
+    python benchmarks/reuse_bench.py --json docs/benchmarks-reuse.json
 """
 from __future__ import annotations
 
@@ -50,11 +51,15 @@ def document(session, n_tokens: int) -> str:
     return text[:lo]
 
 
+LOADS: list[float] = []  # the 1-minute load average after each timed answer (a shared machine skews figures)
+
+
 def ask(session, prompt, max_tokens: int, speculate: str = "off") -> tuple[str, object]:
     pieces, last = [], None
     for event in session.generate(prompt, GenerationParams(max_tokens=max_tokens, speculate=speculate)):
         pieces.append(event.text)
         last = event
+    LOADS.append(round(os.getloadavg()[0], 2))
     return "".join(pieces), last.stats
 
 
@@ -65,13 +70,13 @@ def request(backend: str, kv: str, context: int, cached: bool) -> SessionRequest
 def ttft_case(backend: str, kv: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[CACHE_ENV] = tmp
-        with open_session(request(backend, kv, args.context, False)) as s:
+        with open_session(request(backend, kv, args.context, True)) as s:  # question 1 writes the file
             doc = document(s, args.doc_tokens)
             q = [[{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}] for question in QUESTIONS]
-            cold_text, cold = ask(s, q[1], args.answer_tokens)
-        with open_session(request(backend, kv, args.context, True)) as s:
             _, first = ask(s, q[0], args.answer_tokens)
         [entry] = prompt_cache.entries()
+        with open_session(request(backend, kv, args.context, False)) as s:  # cold, right before the cached run
+            cold_text, cold = ask(s, q[1], args.answer_tokens)
         with open_session(request(backend, kv, args.context, True)) as s:
             hit_text, hit = ask(s, q[1], args.answer_tokens)
             n_file = int(entry.meta["n_tokens"])
@@ -83,7 +88,8 @@ def ttft_case(backend: str, kv: str, args) -> dict:
             "cached_ttft_s": round(hit.prefill_s, 3), "speedup": round(cold.prefill_s / hit.prefill_s, 1),
             "loaded_tokens": hit.loaded_tokens, "identical": hit_text == cold_text,
             "file_tokens": n_file, "file_bytes": entry.size, "cache_kv_bytes": kv_bytes,
-            "cost_model_kv_bytes": model_kv, "overhead_bytes": entry.size - model_kv}
+            "cost_model_kv_bytes": model_kv, "overhead_bytes": entry.size - model_kv,
+            "load_avg_after_first_cold_cached": LOADS[-3:]}
 
 
 def spec_case(backend: str, kv: str, task: str, prompt: str, mode: str, args) -> dict:
@@ -102,7 +108,8 @@ def spec_case(backend: str, kv: str, task: str, prompt: str, mode: str, args) ->
     return {"backend": backend, "kv": kv, "task": task, "mode": mode, "generated_tokens": last.generated_tokens,
             "off_decode_tok_s": round(off, 1), "on_decode_tok_s": round(on, 1), "ratio": round(on / off, 2),
             "tokens_per_step": round(last.tokens_per_step, 2), "accepted": last.accepted_tokens,
-            "drafted": last.drafted_tokens, "identical": texts["off"] == texts[mode]}
+            "drafted": last.drafted_tokens, "identical": texts["off"] == texts[mode],
+            "load_avg_after_each": LOADS[-2 * args.repeats:]}
 
 
 def main(argv=None) -> int:

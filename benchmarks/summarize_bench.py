@@ -9,6 +9,12 @@ count, answer length and greedy decoding, in the same process, one after the oth
 alternates between repeats). Reported per method: wall seconds (model load excluded), document
 tokens, tokens actually read, coverage, and input tokens per second (tokens read / wall).
 
+``--naive`` picks the naive baselines, each measured in the same run as localctx so every ratio is
+paired: ``llama-cpp-python`` (the library called directly on the same GGUF) and ``session`` (the
+same localctx session as the localctx run, one ``Session.generate`` per truncated document: the
+same engine, weights and threads, without chunking or batching). On ``--backend llamacpp`` both
+are llama.cpp; on ``--backend torch`` only ``session`` is the same engine.
+
     PYTHONPATH=.dev python benchmarks/summarize_bench.py --docs 20 --min-tokens 4000 --max-tokens 30000
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ from localctx.app.summarize.batch import BatchConfig, summarize
 from localctx.app.summarize.events import JsonEvents
 from localctx.app.summarize.jobs import Settings
 from localctx.app.summarize.prompts import load_prompts
+from localctx.backends.base import GenerationParams
 from localctx.backends.llamacpp import LlamaCppSession, quiet_stderr
 from localctx.backends.model_spec import read_spec
 from localctx.backends.modelref import resolve
@@ -60,10 +67,12 @@ def build_corpus(folder: Path, n_docs: int, lo: int, hi: int, count) -> dict[str
     return docs
 
 
-def run_naive(llm, count_messages, folder: Path, docs: dict[str, int], context: int, answer: int) -> dict:
+NAIVE_METHODS = ("llama-cpp-python", "session")
+
+
+def truncated_documents(llm, count_messages, folder: Path, docs: dict[str, int], context: int, answer: int):
+    """(name, text that fits, tokens kept) per document: everything past the context is dropped."""
     prompts = load_prompts()
-    read = 0
-    start = time.perf_counter()
     for name in docs:
         text = (folder / name).read_text(encoding="utf-8")
         overhead = count_messages(prompts.messages("whole", title=name, text=""))
@@ -71,12 +80,31 @@ def run_naive(llm, count_messages, folder: Path, docs: dict[str, int], context: 
         ids = llm.tokenize(text.encode(), add_bos=False)
         if len(ids) > keep:  # the naive run drops everything past the context
             text = llm.detokenize(ids[:keep]).decode("utf-8", errors="ignore")
-        read += min(len(ids), keep)
+        yield name, prompts.messages("whole", title=name, text=text), min(len(ids), keep)
+
+
+def run_naive_llama(llm, documents: list, answer: int) -> dict:
+    """One llama-cpp-python chat completion per (truncated) document."""
+    read = 0
+    start = time.perf_counter()
+    for _name, messages, kept in documents:
+        read += kept
         llm.reset()
-        llm.create_chat_completion(prompts.messages("whole", title=name, text=text), max_tokens=answer,
-                                   temperature=0.0)
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "tokens_read": read}
+        llm.create_chat_completion(messages, max_tokens=answer, temperature=0.0)
+    return {"wall_s": time.perf_counter() - start, "tokens_read": read}
+
+
+def run_naive_session(session, documents: list, answer: int) -> dict:
+    """One ``Session.generate`` per (truncated) document on localctx's own session: same engine."""
+    read = 0
+    params = GenerationParams(max_tokens=answer, temperature=0.0)
+    start = time.perf_counter()
+    for _name, messages, kept in documents:
+        read += kept
+        session.reset()
+        for _event in session.generate(messages, params):
+            pass
+    return {"wall_s": time.perf_counter() - start, "tokens_read": read}
 
 
 def run_localctx(session, folder: Path, out: Path, settings: Settings) -> dict:
@@ -105,10 +133,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--backend", default="llamacpp", choices=["llamacpp", "torch"],
-                    help="localctx's backend (the naive run is always llama-cpp-python); torch reads "
-                         "LOCALCTX_TORCH_DTYPE / _WEIGHTS / _THREADS")
+                    help="localctx's backend; torch reads LOCALCTX_TORCH_DTYPE / _WEIGHTS / _THREADS")
+    ap.add_argument("--naive", default="llama-cpp-python",
+                    help="comma-separated naive baselines, each paired with localctx in the same run: "
+                         "llama-cpp-python (the library on the same GGUF) and/or session (localctx's own "
+                         "session, one generate per truncated document: same engine and weights)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write the results here too")
     args = ap.parse_args(argv)
+    naive_methods = [m.strip() for m in args.naive.split(",") if m.strip()]
+    if not naive_methods or any(m not in NAIVE_METHODS for m in naive_methods):
+        ap.error(f"--naive {args.naive!r}: choose from {', '.join(NAIVE_METHODS)}")
 
     from llama_cpp import Llama
     ref = resolve(args.model)
@@ -138,12 +172,18 @@ def main(argv=None) -> int:
     print(f"corpus: {len(docs)} documents, {total:,} tokens ({min(docs.values()):,}..{max(docs.values()):,}); "
           f"context {args.context}, answer {args.summary_tokens} tokens, threads {threads}, localctx backend {args.backend}",
           file=sys.stderr)
-    runs = {"naive": [], "localctx": []}
+    documents = list(truncated_documents(naive_llm, session.count_tokens, corpus, docs, args.context,
+                                         args.summary_tokens))
+    naive_names = {"llama-cpp-python": "naive_llama_cpp_python", "session": f"naive_{args.backend}"}
+    methods = [naive_names[m] for m in naive_methods] + ["localctx"]
+    runs = {method: [] for method in methods}
     for r in range(args.repeats):
-        order = ["naive", "localctx"] if r % 2 == 0 else ["localctx", "naive"]
+        order = methods if r % 2 == 0 else list(reversed(methods))
         for method in order:
-            if method == "naive":
-                res = run_naive(naive_llm, session.count_tokens, corpus, docs, args.context, args.summary_tokens)
+            if method == "naive_llama_cpp_python":
+                res = run_naive_llama(naive_llm, documents, args.summary_tokens)
+            elif method.startswith("naive_"):
+                res = run_naive_session(session, documents, args.summary_tokens)
             else:
                 res = run_localctx(session, corpus, work / f"out{r}", settings)
             res["input_tok_s"] = res["tokens_read"] / res["wall_s"]
@@ -156,13 +196,16 @@ def main(argv=None) -> int:
             "wall_s": statistics.median(x["wall_s"] for x in results),
             "tokens_read": results[0]["tokens_read"], "coverage": results[0]["tokens_read"] / total,
             "input_tok_s": statistics.median(x["input_tok_s"] for x in results)}
-    ratio = summary["localctx"]["input_tok_s"] / summary["naive"]["input_tok_s"]
-    result = {"corpus_tokens": total, "documents": len(docs), "args": vars(args), "median": summary,
-              "ratio_input_tok_s": ratio, "runs": runs}
-    print(f"{'method':10} {'wall s':>9} {'read':>9} {'coverage':>9} {'in tok/s':>9}")
+    # each ratio: localctx over one naive baseline, from the same run (medians over repeats)
+    ratios = {method: summary["localctx"]["input_tok_s"] / summary[method]["input_tok_s"]
+              for method in methods if method != "localctx"}
+    result = {"corpus_tokens": total, "documents": len(docs), "args": vars(args), "threads": threads,
+              "median": summary, "ratio_input_tok_s": ratios, "runs": runs}
+    print(f"{'method':24} {'wall s':>9} {'read':>9} {'coverage':>9} {'in tok/s':>9}")
     for method, s in summary.items():
-        print(f"{method:10} {s['wall_s']:9.1f} {s['tokens_read']:9,} {s['coverage']:9.1%} {s['input_tok_s']:9.1f}")
-    print(f"localctx / naive input tok/s: {ratio:.2f}x")
+        print(f"{method:24} {s['wall_s']:9.1f} {s['tokens_read']:9,} {s['coverage']:9.1%} {s['input_tok_s']:9.1f}")
+    for method, ratio in ratios.items():
+        print(f"localctx / {method} input tok/s: {ratio:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     session.close()

@@ -86,13 +86,23 @@ def test_headline_and_goals_are_reported(fake_run):
     rows = {r["series"]: r for r in head["rows"]}
     assert rows["fake/fp16"]["ratio"] > 0 and rows["fake/fp16"]["ratio_far"] is None
     assert rows["fake/int8+sink4+win64"]["ratio_far"] > 0
-    window, torch_quant, planner = result["goals"]
+    window, torch_quant, planner, planner_speed = result["goals"]
     assert window["status"] in ("holds", "fails") and "fake/int8+sink4+win64" in window["detail"]
     assert torch_quant["status"] == "not measured"  # no torch series in this run
     # the planner is asked for each backend at each context within the trained length; fp16 fits a fake model
     picks = result["projection"]["planner_picks"]
     assert [(p["backend"], p["context"], p["fp16_fits"]) for p in picks] == [("fake", 128, True), ("fake", 512, True)]
-    assert all(p["policy"] == "fp16" for p in picks) and planner["status"] == "holds"
+    assert all(p["policy"] == "fp16" for p in picks)
+    # and where fp16 is ruled out: a memory cap it does not fit under, a speed target above its projection
+    forced = result["projection"]["forced_picks"]
+    assert [(p["context"], p["forced"]) for p in forced] == [(128, "memory"), (128, "speed"), (512, "memory"),
+                                                             (512, "speed")]
+    for pick in (p for p in forced if p["forced"] == "memory"):
+        assert "fp16" not in pick["fitting"] and "int4" in pick["fitting"] and pick["policy"] == "int8"
+    # the planner's int8 is not among this run's --kv, so the goal cannot judge it: it says so
+    assert planner["status"] == "not measured", planner["detail"]
+    assert "fake 128 memory → int8 (not benched)" in planner["detail"]
+    assert planner_speed["status"] == "holds" and "fake 128 speed → refused" in planner_speed["detail"]
 
 
 def test_from_json_redraws_without_measuring(fake_run, cli, tmp_path):

@@ -126,8 +126,64 @@ def test_planner_goal_flags_a_quantized_pick_that_measured_slower():
     comparisons = [{"backend": "llamacpp", "policy": "int4", "ratio": 0.4}]
     picks = [{"backend": "llamacpp", "context": 8192, "policy": "int4", "fp16_fits": True}]
     assert goals.planner_goal(picks, comparisons)["status"] == "fails"
-    picks[0]["fp16_fits"] = False  # quantized because fp16 does not fit: allowed
-    assert goals.planner_goal(picks, comparisons)["status"] == "holds"
+    picks[0]["fp16_fits"] = False  # quantized because fp16 does not fit: allowed, but nothing forced was asked
+    assert goals.planner_goal(picks, comparisons)["status"] == "not measured"
+    assert goals.planner_speed_goal(None, [])["status"] == "not measured"
+
+
+FORCED_ENTRIES = [_entry("llamacpp", "fp16", {8192: 40.0}), _entry("llamacpp", "int8", {8192: 30.0}),
+                  _entry("llamacpp", "int4", {8192: 20.0}), _entry("llamacpp", "fp16+sink4+win1024", {8192: 60.0})]
+FREE_PICKS = [{"backend": "llamacpp", "context": 8192, "policy": "fp16", "fp16_fits": True}]
+
+
+def _memory_pick(policy: str) -> dict:
+    return {"backend": "llamacpp", "context": 8192, "forced": "memory", "max_memory": 10**9, "kv_budget": 10**8,
+            "fitting": ["int8", "int4", "fp16+sink4+win1024"], "policy": policy}
+
+
+def _speed_pick(policy: str) -> dict:
+    return {"backend": "llamacpp", "context": 8192, "forced": "speed", "min_tok_s": 42.0, "policy": policy}
+
+
+@pytest.mark.parametrize("pick, status", [
+    (_memory_pick("int8"), "holds"),  # the fastest format under the cap that keeps every token
+    (_memory_pick("int4"), "fails"),  # int8 fits too, is more precise, and measured 1.5× faster
+    (_memory_pick("none (nothing fits)"), "holds"),  # refusing picks nothing slower
+    (_memory_pick("int4+sink4+win512"), "not measured"),  # the bench has no such series
+])
+def test_planner_goal_judges_memory_capped_picks_against_the_bench(pick, status):
+    verdict = goals.planner_goal(FREE_PICKS, [], [pick], FORCED_ENTRIES)
+    assert verdict["status"] == status, verdict["detail"]
+    if status == "fails":
+        assert "slower than an alternative: llamacpp 8k memory → int4 20.0 tok/s, but int8 fits" in verdict["detail"]
+
+
+@pytest.mark.parametrize("pick, status", [
+    (_speed_pick("fp16+sink4+win1024"), "holds"),  # 1.5× fp16: meets a target above fp16
+    (_speed_pick("int8"), "fails"),  # picked for speed, measured slower than the fp16 it replaced
+    (_speed_pick("none (nothing meets it)"), "holds"),
+    (_speed_pick("int8+sink4+win512"), "not measured"),
+])
+def test_planner_speed_goal_judges_picks_against_fp16(pick, status):
+    verdict = goals.planner_speed_goal([pick], FORCED_ENTRIES)
+    assert verdict["status"] == status, verdict["detail"]
+
+
+def test_memory_pick_is_compared_with_formats_as_precise_that_evict_as_it_does():
+    # the windowed fp16 fits and is faster, but it drops tokens: a pick that keeps every token is judged
+    # against the formats that keep every token
+    assert goals.forced_pick_verdict(_memory_pick("int8"), FORCED_ENTRIES)[0] == "good"
+    lossy = {**_memory_pick("fp16+sink4+win1024"), "fitting": ["int8", "fp16+sink4+win1024"]}
+    assert goals.forced_pick_verdict(lossy, FORCED_ENTRIES)[0] == "good"
+    # a less precise format that measured faster does not make a more precise pick bad
+    faster_int4 = FORCED_ENTRIES[:1] + [_entry("llamacpp", "int8", {8192: 30.0}), _entry("llamacpp", "int4", {8192: 40.0})]
+    assert goals.forced_pick_verdict(_memory_pick("int8"), faster_int4)[0] == "good"
+    assert goals.forced_pick_verdict(_memory_pick("int4"), faster_int4)[0] == "good"
+    # within the tolerance: 29 against 30 is noise, 28 is not
+    close = FORCED_ENTRIES[:1] + [_entry("llamacpp", "int8", {8192: 30.0}), _entry("llamacpp", "int4", {8192: 29.0})]
+    assert goals.forced_pick_verdict(_memory_pick("int4"), close)[0] == "good"
+    far = FORCED_ENTRIES[:1] + [_entry("llamacpp", "int8", {8192: 30.0}), _entry("llamacpp", "int4", {8192: 28.0})]
+    assert goals.forced_pick_verdict(_memory_pick("int4"), far)[0] == "bad"
 
 
 def test_time_budget_stops_only_between_whole_runs():

@@ -1,4 +1,6 @@
 """Hardware profiles: named machines from assets/hardware.json, detection paths, the cached CPU benchmark."""
+import json
+
 import pytest
 
 from localctx.backends import hardware
@@ -74,6 +76,7 @@ def test_detect_apple_reads_sysctl(monkeypatch):
 
 def test_cpu_bandwidth_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 0.1)  # a quiet machine
     calls = []
     monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda: calls.append(1) or 7.5e9)
     first = hardware.detect_cpu()
@@ -83,6 +86,32 @@ def test_cpu_bandwidth_is_measured_once_and_cached(monkeypatch, tmp_path):
     assert (second.bandwidth_bytes_s, second.bandwidth_source) == (7.5e9, "measured (cached)")
     assert (tmp_path / "hardware.json").is_file()
     assert first.key == hardware.cpu_class() and first.kind == "cpu"
+
+
+def test_a_bandwidth_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(tmp_path))
+    load, figures = [3.0], iter([2e9, 9e9])
+    monkeypatch.setattr(hardware, "load_per_core", lambda: load[0])
+    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda: next(figures))
+    busy = hardware.detect_cpu()
+    assert (busy.bandwidth_bytes_s, busy.bandwidth_source) == (2e9, "measured (on a busy machine: load 3.0 per core)")
+    still_busy = hardware.detect_cpu()  # no new measurement while the machine is busy: it would read low too
+    assert (still_busy.bandwidth_bytes_s, still_busy.bandwidth_source) == (
+        2e9, "measured (cached, on a busy machine: load 3.0 per core)")
+    load[0] = 0.2
+    quiet = hardware.detect_cpu()
+    assert (quiet.bandwidth_bytes_s, quiet.bandwidth_source) == (9e9, "measured")
+    assert hardware.detect_cpu().bandwidth_source == "measured (cached)"
+    saved = json.loads((tmp_path / "hardware.json").read_text())[hardware.cpu_class()]
+    assert saved["quiet"] is True and saved["load_per_core"] == 0.2
+
+
+def test_a_cached_figure_without_the_load_it_was_measured_under_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(tmp_path))
+    (tmp_path / "hardware.json").write_text(json.dumps({hardware.cpu_class(): {"bandwidth_bytes_s": 5.6e9}}))
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 0.1)
+    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda: 15e9)
+    assert hardware.detect_cpu().bandwidth_bytes_s == 15e9
 
 
 def test_copy_benchmark_measures_a_plausible_bandwidth():

@@ -62,3 +62,22 @@ def test_streams_decoded_together_start_as_one_at_a_time_and_keep_their_slots(se
             slots.start([{"role": "user", "content": "word " * 300}], params, None)
     finally:
         slots.close()
+
+
+def test_a_server_holds_the_plans_kv_once_in_its_slots_not_again_in_the_session():
+    from localctx.app.serve.streams import open_streams
+    from localctx.app.session_options import plan_session
+    from localctx.backends.llamacpp_serving import OWN_CONTEXT
+
+    planned = plan_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=2048))
+    session, slots = open_streams(planned, 4)
+    try:
+        assert isinstance(slots, LlamaSlots)
+        assert session.llm.n_ctx() == OWN_CONTEXT < planned.plan.context  # the session's own context is minimal
+        assert slots.per_slot * 4 == 2048  # all the plan's cells live in the slots' context
+        started = slots.start(PROMPTS[0], GenerationParams(max_tokens=4), None)
+        tokens, done = drain(slots, [started])[id(started[0])]
+        assert tokens and done.finish_reason in ("stop", "length")
+    finally:
+        slots.close()
+        session.close()

@@ -44,11 +44,12 @@ def build_result(settings: BenchSettings, lineup: Lineup, outcome: Outcome, ref:
     samples = outcome.samples
     inputs = PointInputs(projector=projector, trained=spec.context_length)
     planner_picks = projector.picks(settings.backends, settings.contexts)
+    forced_picks = projector.forced_picks(settings.backends, settings.contexts, settings.policies)
     entries = [_entry(s, "ok", None, [point(s, c, samples, inputs) for c in settings.contexts])
                for s in lineup.series]
     entries += [_entry(s, "refused", lineup.refused[s.key], []) for s in lineup.refused_series]
     head = headline(entries, settings.contexts, spec.context_length)
-    goal_rows, comparisons = goals.evaluate(entries, head, planner_picks)
+    goal_rows, comparisons = goals.evaluate(entries, head, planner_picks, forced_picks)
     return {
         "schema": SCHEMA,
         "command": info.command,
@@ -66,7 +67,7 @@ def build_result(settings: BenchSettings, lineup: Lineup, outcome: Outcome, ref:
                        "formula": "decode tok/s ≤ bandwidth / (weight bytes + KV bytes at the context)",
                        "planner": "the planner's speed model (localctx.kvcache.speed): calibrated per backend and KV "
                                   "format where a calibration exists, else the same roofline",
-                       "planner_picks": planner_picks},
+                       "planner_picks": planner_picks, "forced_picks": forced_picks},
         "series": entries,
         "headline": head,
         "quant_vs_fp16": comparisons,

@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from localctx.app.session_options import SessionRequest, add_session_options, open_session, resolve_model
+from localctx.app.session_options import SessionRequest, add_session_options, plan_session, resolve_model
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 
@@ -88,13 +88,12 @@ def handle(args: argparse.Namespace) -> int:
         raise UserError(f"localctx serve needs {exc.name}: pip install starlette uvicorn") from None
     from localctx.app.serve.http import ServeState, build_app
     from localctx.app.serve.scheduler import Limits, Scheduler
-    from localctx.app.serve.streams import make_streams
+    from localctx.app.serve.streams import open_streams
 
     req = SessionRequest.from_args(args)
     ref, _spec = resolve_model(req)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
-    session = open_session(req)
-    streams = make_streams(session, args.parallel)
+    session, streams = open_streams(plan_session(req), args.parallel)
     scheduler = Scheduler(session, streams, Limits(max_queue=args.queue))
     state = ServeState(scheduler=scheduler, model_id=ref.name, spec=session.spec, plan=session.plan,
                        api_key=api_key, max_body_bytes=args.max_body, request_timeout_s=args.timeout)

@@ -83,6 +83,20 @@ class SequentialStreams:
         self._end()
 
 
+def open_streams(planned, parallel: int) -> tuple[Session, object]:
+    """Loads ``planned`` (app/session_options.PlannedSession) for a server: (session, streams).
+    On llama.cpp the batched slots hold the plan's KV in their own context, and the session keeps
+    only a minimal one beside them (llamacpp_serving.open_slots)."""
+    plan = planned.plan
+    if parallel > 1 and plan.backend == "llamacpp" and not plan.policy.evicts:
+        from localctx.backends.llamacpp_serving import open_slots
+
+        slots = open_slots(planned.ref, plan, parallel)
+        return slots.session, slots
+    session = planned.load()
+    return session, make_streams(session, parallel)
+
+
 def make_streams(session: Session, parallel: int):
     """Continuous batching where the backend supports it (torch; llama.cpp unless the policy
     evicts through its context shift), else one at a time."""
