@@ -20,8 +20,8 @@ def main() -> None:
     args = ap.parse_args()
     layer = LayerAttention(n_kv_heads=args.kv_heads, k_dim=args.head_dim, v_dim=args.head_dim)
     rows = {"fp16": layer_full_bytes(layer, 2),
-            "int8": layer_quant_bytes(layer, 8, args.group),
-            "int4": layer_quant_bytes(layer, 4, args.group)}
+            "int8": layer_quant_bytes(layer, 8, 8, args.group, 2),
+            "int4": layer_quant_bytes(layer, 4, 4, args.group, 2)}
     print(json.dumps({"layer": {"n_kv_heads": args.kv_heads, "head_dim": args.head_dim, "group_size": args.group},
                       "bytes_per_token_per_layer": rows,
                       "vs_fp16": {name: n / rows["fp16"] for name, n in rows.items()}}, indent=1))

@@ -110,7 +110,8 @@ def forced_pick_verdict(pick: dict, entries: list[dict]) -> tuple[str, str]:
     if pick["forced"] == "memory":
         chosen = KVPolicy.parse(pick["policy"])
         rivals = {p: measured[p] for p in pick["fitting"] if p in measured
-                  and KVPolicy.parse(p).evicts == chosen.evicts and KVPolicy.parse(p).bits >= chosen.bits}
+                  and KVPolicy.parse(p).evicts == chosen.evicts and KVPolicy.parse(p).k_bits >= chosen.k_bits
+                  and KVPolicy.parse(p).v_bits >= chosen.v_bits}
         best = max(rivals, key=rivals.get, default=pick["policy"])
         text = f"{where} → {pick['policy']} {mine:.1f} tok/s"
         if measured.get(best, mine) * (1 - PICK_TOLERANCE) > mine:
