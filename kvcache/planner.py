@@ -185,7 +185,7 @@ class _Search:
         if self.req.exact and not policy.exact:
             self.reject(policy, f"--exact allows full-precision KV only ({self.backend.describe(policy)})")
             return False
-        poor = self.backend.quality.refusal(policy)
+        poor = self.backend.quality.refusal(policy) or self.unmeasured_split(policy)
         if poor:
             self.reject(policy, poor)
             return False
@@ -206,6 +206,14 @@ class _Search:
                                     f"--min-tok-s {self.req.min_tok_s:g} target (+{SPEED_MARGIN - 1:.0%} margin)")
                 return False
         return True
+
+    def unmeasured_split(self, policy: KVPolicy) -> str | None:
+        """A K/V split meets a speed target only by measured speed: the roofline of a format the
+        calibration never timed is no evidence against the ones it did."""
+        if not (policy.split and self.req.min_tok_s) or self.speed.calibrated(policy):
+            return None
+        return (f"its decode speed is not measured on {self.backend.name} (localctx plan --calibrate), "
+                f"and a --min-tok-s target needs a measured format")
 
     def window_limits(self, template: KVPolicy) -> dict[str, int]:
         """Each bound on the window: memory, trained context, default cap, speed target, the context."""
@@ -239,7 +247,7 @@ class _Search:
         if refused:
             self.reject(_shape(template), f"{self.backend.name} cannot: " + "; ".join(refused))
             return None
-        poor = self.backend.quality.refusal(template)
+        poor = self.backend.quality.refusal(template) or self.unmeasured_split(template)
         if poor:
             self.reject(_shape(template), poor)
             return None

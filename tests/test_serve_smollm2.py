@@ -23,6 +23,7 @@ def test_whole_and_streamed_greedy_answers_agree(smollm2_server):
     model = c.models.list().data[0]
     assert model.id == "SmolLM2-135M-Instruct"
     assert model.model_extra["localctx"]["plan"]["policy"] == "int8"
+    assert model.model_extra["localctx"]["plan"]["kv_layout"].startswith("lossy: q8_0 keys and values")  # llama.cpp's words
     assert model.model_extra["localctx"]["trained_context"] == 8192
     whole = c.chat.completions.create(model=model.id, messages=QUESTION, max_tokens=12, temperature=0)
     text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
