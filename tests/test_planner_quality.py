@@ -94,3 +94,12 @@ def test_kf16v8_is_chosen_only_where_calibration_measured_it_faster():
     unmeasured = calibration(fp16=(0.006, 8e-11), int8=(0.006, 1e-11), int4=(0.006, 1e-11))
     q = plan(cpu, smol, target, view(quality.NO_VERDICTS), SpeedModel(cpu, unmeasured))
     assert str(q.policy) == "int8" and "kf16v8" not in {r.policy for r in q.rejected}
+
+
+def test_under_a_speed_target_an_unmeasured_split_is_not_taken_on_the_roofline():
+    smol, cpu = known_spec("smollm2-135m"), hardware.named("cpu-24gb")
+    cal = calibration(fp16=(0.006, 8e-11), int8=(0.006, 4e-10), int4=(0.006, 1e-9))  # no split timed
+    p = plan(cpu, smol, PlanRequest(context=8192, min_tok_s=100), view(quality.NO_VERDICTS), SpeedModel(cpu, cal))
+    assert not p.policy.split
+    unmeasured = {r.policy for r in p.rejected if "decode speed is not measured on fake" in r.reason}
+    assert {"k8v4", "kf16v8+sink4+winN", "k8v4+sink4+winN"} <= unmeasured
