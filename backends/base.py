@@ -116,7 +116,7 @@ class Capabilities:
                        + ", ".join("fp16" if b == 16 else f"int{b}" for b in sorted(self.kv_bits, reverse=True)) + ")")
         elif policy.split and not self.split_kv:
             out.append(f"keys and values at different precisions ({policy.precision}) are not supported; "
-                       f"use one precision for both (e.g. int{min(policy.k_bits, policy.v_bits)})")
+                       "use one precision for both (fp16, int8 or int4) or a backend that splits them (torch, llamacpp)")
         elif policy.quantized and policy.group_size not in self.group_sizes:
             out.append(f"group size {policy.group_size} is not supported")
         if policy.residual and not self.residual:
