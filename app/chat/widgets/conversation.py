@@ -22,6 +22,8 @@ def stats_line(stats: TurnStats) -> str:
     if stats.prefill_tok_s:
         parts.append(f"prefill {stats.prefill_tok_s:,.1f} tok/s")
     parts.append(f"{stats.prompt_tokens - stats.cached_tokens:,} of {stats.prompt_tokens:,} prompt tokens prefilled")
+    if stats.shifted_tokens:
+        parts.append(f"{stats.shifted_tokens:,} reused at moved positions (lossy)")
     if stats.evicted_tokens:
         parts.append(f"{stats.evicted_tokens:,} evicted")
     finish = FINISH_WORDS.get(stats.finish_reason, stats.finish_reason)
