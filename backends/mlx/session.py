@@ -125,6 +125,7 @@ class MLXSession(Session):
         except ValueError as exc:
             self.reset()
             self.prompt_cache.notice(f"prompt cache: {hit.file.path.name} does not fit this cache ({exc}); prefilling")
+            clock.cached_tokens = 0
             return 0
         self.fed, self.last_logits = list(tokens[:hit.n_tokens]), None
         clock.cached_tokens = clock.loaded_tokens = hit.n_tokens

@@ -6,6 +6,7 @@ from functools import lru_cache
 from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
+from textual.widget import Widget
 from textual.widgets import Label, Markdown, Static
 
 from localctx.app.history import ChatMessage, Conversation, TurnStats
@@ -110,6 +111,7 @@ class ConversationView(VerticalScroll):
         await self.mount(answer)
         return answer
 
-    async def add_note(self, text: str, kind: str = "info") -> None:
-        await self.mount(Note(text, kind))
+    async def add_note(self, text: str, kind: str = "info", before: Widget | None = None) -> None:
+        """A note at the end of the conversation, or just ``before`` a widget of it."""
+        await self.mount(Note(text, kind), before=before)
         self.scroll_end(animate=False)
