@@ -154,7 +154,10 @@ def plan_session(req: SessionRequest) -> PlannedSession:
     if refusals:
         raise UserError(f"backend {plan.backend} cannot run KV policy {plan.policy}: {'; '.join(refusals)}; "
                         "choose another --kv or --backend")
-    return PlannedSession(ref, spec, plan, req.prompt_cache, check_cache_reuse(req.cache_reuse))
+    if check_cache_reuse(req.cache_reuse) and plan.backend != "llamacpp":  # before a model loads for nothing
+        raise UserError(f"--cache-reuse is llama.cpp's shift-based chunk reuse and the plan runs on {plan.backend}; "
+                        "add --backend llamacpp or drop --cache-reuse")
+    return PlannedSession(ref, spec, plan, req.prompt_cache, req.cache_reuse)
 
 
 def open_session(req: SessionRequest) -> Session:

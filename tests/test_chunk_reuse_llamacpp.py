@@ -127,9 +127,11 @@ def test_asked_for_on_quantized_kv_it_is_refused_in_one_line():
         open_session(SessionRequest(model=None, backend="llamacpp", kv="int4", context=256, cache_reuse=16))
 
 
-def test_a_negative_run_length_is_refused():
+def test_a_negative_run_length_or_another_backend_is_refused_before_loading():
     with pytest.raises(UserError, match="--cache-reuse -1 must be 0"):
         open_session(SessionRequest(model=None, backend="fake", cache_reuse=-1))
+    with pytest.raises(UserError, match="the plan runs on fake; add --backend llamacpp or drop --cache-reuse"):
+        open_session(SessionRequest(model=None, backend="fake", cache_reuse=16))
 
 
 def test_the_chat_says_how_many_tokens_were_reused_at_moved_positions():
