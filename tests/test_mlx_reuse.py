@@ -83,3 +83,40 @@ def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_ru
 def test_a_folder_model_keeps_no_prompt_cache(long_folder):
     s, _ = _session(long_folder, "fp16")
     assert "folder" in s.enable_prompt_cache(long_folder)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int4+res8"])
+def test_a_cache_with_sliding_layers_goes_through_a_file_and_decodes_on_as_before(tmp_path, kv):
+    """Tiny Gemma 3 (five layers sliding over 4 tokens, one global): layers of different lengths,
+    sliding ones with stream indices written, quantized groups as held."""
+    from gemma3_tiny import VOCAB, mlx_model, tiny_tensors
+
+    from localctx.backends.mlx import disk_cache
+    from localctx.backends.mlx.cache import CacheShape, ModelCache
+    from localctx.kvcache import prompt_file
+    from localctx.kvcache.policy import KVPolicy
+    from localctx.kvcache.prompt_cache import Hit
+
+    model = mlx_model(tiny_tensors())
+    a = model.args
+
+    def new_cache():
+        return ModelCache(KVPolicy.parse(kv), a.n_layers, CacheShape(a.n_kv_heads, a.head_dim, mx.float32, False),
+                          a.inv_freqs(), a.layer_windows)
+
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, 104)]
+    first = new_cache()
+    model(mx.array(tokens[:96], dtype=mx.int32), first)
+    tensors = disk_cache.export(first)
+    assert "0.f_ids" in tensors and "5.q_start" in tensors  # a sliding layer evicted; the global one did not
+    assert ("5.k_codes" in tensors) == (kv != "fp16")
+    path = tmp_path / "c.safetensors"
+    prompt_file.write(path, dict(tensors, tokens=np.asarray(tokens[:96], np.int32)), {})
+    second = new_cache()
+    disk_cache.load(second, Hit(prompt_file.read(path), 96))
+    assert second.nbytes() == first.nbytes()
+    for t in tokens[96:]:
+        want = np.array(model(mx.array([t], dtype=mx.int32), first))
+        got = np.array(model(mx.array([t], dtype=mx.int32), second))
+        assert np.array_equal(got, want)
+    assert [layer.kept_ids().tolist() for layer in second.layers] == [layer.kept_ids().tolist() for layer in first.layers]
