@@ -142,3 +142,48 @@ def test_the_chat_says_how_many_tokens_were_reused_at_moved_positions():
                                 cached_tokens=76, generated_tokens=4, shifted_tokens=52))
     assert "1 of 77 prompt tokens prefilled · 52 reused at moved positions (lossy)" in line
     assert "moved" not in stats_line(TurnStats(backend="llamacpp", policy="fp16", finish_reason="stop"))
+
+
+# -- tiny GGUFs (llama.cpp loads them in a moment) --------------------------------------------------
+def tiny_session(tmp_path, arch: str):
+    from gguf_tiny import ARCHS, write
+
+    from localctx.backends.llamacpp import LlamaCppBackend
+    from localctx.backends.model_spec import gguf_spec
+    from localctx.backends.modelref import resolve
+    from localctx.kvcache.plan import Plan
+    from localctx.kvcache.policy import KVPolicy
+
+    path = write(tmp_path / f"{arch}.gguf", ARCHS[arch])
+    plan = Plan.fixed("llamacpp", gguf_spec(path), KVPolicy.parse("fp16"), 2048)
+    return LlamaCppBackend().load(resolve(str(path)), plan), path
+
+
+def test_moved_cells_never_reach_the_prompt_cache_on_disk(tmp_path):
+    """A prompt whose cached prefix ends on a file boundary would save the cache up to its next
+    boundary; with moved (inexact) cells in that prefix it must not, as the same steps without a
+    move do."""
+    from localctx.backends.base import StatsClock
+    from localctx.kvcache import prompt_cache
+
+    s, path = tiny_session(tmp_path, "llama")
+    rng = np.random.default_rng(0)
+    a, b, c = ([int(t) for t in rng.integers(10, 250, n)] for n in (50, 600, 600))
+    bos = s.llm.token_bos()
+    with s:
+        assert s.enable_chunk_reuse(8) is None and s.enable_prompt_cache(path) is None
+        later = [bos] + b[:511] + c  # shares 512 tokens, a file boundary, with what the cache holds
+        s.llm.eval([bos] + a + b)
+        assert s._chunks.apply([bos] + b + [7]) == 600  # b moved down over a
+        s._disk_prefix(later, StatsClock(backend="llamacpp", policy="fp16"))
+        assert prompt_cache.entries() == []
+        s.reset()
+        s.llm.eval([bos] + b)  # the same cells, prefilled exactly
+        s._disk_prefix(later, StatsClock(backend="llamacpp", policy="fp16"))
+        assert [int(e.meta["n_tokens"]) for e in prompt_cache.entries()] == [1024]
+
+
+def test_a_sliding_window_model_in_the_compact_cache_is_refused(tmp_path):
+    s, _ = tiny_session(tmp_path, "gemma3")
+    with s:
+        assert "sliding-window layers keep only their last 512 cells" in s.enable_chunk_reuse(8)
