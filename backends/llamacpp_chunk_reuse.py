@@ -5,6 +5,7 @@ keep their KV. Each run is moved to its new positions — ``llama_memory_seq_rm`
 skipped over, ``llama_memory_seq_add`` slides the run down and re-rotates its keys (a K-shift) —
 and only the prompt after the last run is prefilled.
 
+The session (``ChunkReuse``) and the server's slots (backends/llamacpp_serving.py) both use it.
 Like the server, the runs must follow each other in the prompt with nothing new between them (the
 cache may skip tokens, the prompt may not), so an edited message ends the reuse at the edit.
 
@@ -49,6 +50,15 @@ def plan_moves(cached: list[int], prompt: list[int], start: int, min_chunk: int)
         else:
             head_c += 1
     return moves
+
+
+def move_runs(llama_cpp, memory, seq_id: int, moves: list[ChunkMove]) -> None:
+    """Carry out ``moves`` on sequence ``seq_id`` of a llama.cpp memory: the cells skipped over go,
+    each run slides down to its new positions (its keys re-rotated at the next decode)."""
+    for m in moves:  # src > dst always: the common prefix ends where the cache and the prompt differ
+        if not llama_cpp.llama_memory_seq_rm(memory, seq_id, m.dst, m.src):
+            raise RuntimeError("llama.cpp refused to remove tokens from its KV cache")
+        llama_cpp.llama_memory_seq_add(memory, seq_id, m.src, m.src + m.n, m.dst - m.src)
 
 
 def refusal(llm, settings, spec, n_swa: int | None) -> str | None:
@@ -103,11 +113,7 @@ class ChunkReuse:
         moves = plan_moves(cached, prompt, start, self.min_chunk)
         if not moves:
             return 0
-        mem = llama_cpp.llama_get_memory(llm._ctx.ctx)
-        for m in moves:  # src > dst always: the common prefix ends where the cache and the prompt differ
-            if not llama_cpp.llama_memory_seq_rm(mem, 0, m.dst, m.src):
-                raise RuntimeError("llama.cpp refused to remove tokens from its KV cache")
-            llama_cpp.llama_memory_seq_add(mem, 0, m.src, m.src + m.n, m.dst - m.src)
+        move_runs(llama_cpp, llama_cpp.llama_get_memory(llm._ctx.ctx), 0, moves)
         end = moves[-1].dst + moves[-1].n
         llm.input_ids[start:end] = prompt[start:end]
         llm.n_tokens = end  # eval removes the cells from here on (the rest of the old cache) before decoding

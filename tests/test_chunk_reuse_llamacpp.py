@@ -187,3 +187,47 @@ def test_a_sliding_window_model_in_the_compact_cache_is_refused(tmp_path):
     s, _ = tiny_session(tmp_path, "gemma3")
     with s:
         assert "sliding-window layers keep only their last 512 cells" in s.enable_chunk_reuse(8)
+
+
+def run_turn(slots, prompt, params):
+    """Starts ``prompt`` on the server's slots and steps them until it is done: (stream, done event)."""
+    stream, event = slots.start(prompt, params, None)
+    while event.kind != "done":
+        event = next(e for s, e in slots.step() if s is stream)
+    return stream, event
+
+
+@pytest.mark.parametrize("chunk_reuse", [8, 0])
+def test_a_server_slot_keeps_the_runs_after_a_removed_message(tmp_path, chunk_reuse):
+    """serve's batched slots: with --cache-reuse the follow-up without its first exchange goes to
+    the slot that holds it and prefills one token; without, it starts over in an empty slot."""
+    import llama_cpp
+    from gguf_tiny import ARCHS, write
+
+    from localctx.backends.llamacpp_serving import open_slots
+    from localctx.backends.model_spec import gguf_spec
+    from localctx.backends.modelref import resolve
+    from localctx.kvcache.plan import Plan
+    from localctx.kvcache.policy import KVPolicy
+
+    path = write(tmp_path / "llama.gguf", ARCHS["llama"])
+    plan = Plan.fixed("llamacpp", gguf_spec(path), KVPolicy.parse("fp16"), 1024)
+    slots = open_slots(resolve(str(path)), plan, 2, chunk_reuse)
+    params = GenerationParams(max_tokens=3)
+    try:
+        first, _ = run_turn(slots, TURNS, params)
+        stream, done = run_turn(slots, REMOVED, params)
+        new = slots.session.tokenize(REMOVED)
+        start = common_prefix(slots.session.tokenize(TURNS), new)
+        held = llama_cpp.llama_memory_seq_pos_max(slots.decoder.memory, stream.slot.seq_id) + 1
+        assert held == len(stream.slot.history)  # no cell of the old conversation is left past the new one
+        if chunk_reuse:
+            assert stream.slot is first.slot and stream.slot.history[:len(new)] == new
+            assert done.stats.cached_tokens == len(new) - 1
+            assert done.stats.shifted_tokens == len(new) - 1 - start
+        else:
+            assert stream.slot is not first.slot
+            assert (done.stats.cached_tokens, done.stats.shifted_tokens) == (0, 0)
+    finally:
+        slots.close()
+        slots.session.close()
