@@ -114,10 +114,9 @@ def add_prompt_cache_option(parser: argparse.ArgumentParser) -> None:
 
 def add_cache_reuse_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-reuse", type=int, default=0, metavar="N",
-                        help="llama.cpp, fp16 KV: when a message is removed from the middle of a conversation, keep "
-                             "the cached runs "
-                             "of at least N tokens after it, moved into place (lossy: their KV was computed with "
-                             "the removed text before them); 0 = off (default)")
+                        help="llama.cpp, fp16 KV: when a message is removed from the middle of a conversation, "
+                             "keep the cached runs of at least N tokens after it, moved into place (lossy: their KV "
+                             "was computed with the removed text before them); 0 = off (default)")
 
 
 def check_cache_reuse(n: int) -> int:

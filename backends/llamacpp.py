@@ -181,7 +181,7 @@ class LlamaCppSession(Session):
         self.llm._ctx.kv_cache_clear()
         if self._shift:
             self._shift.reset()
-        if self._chunks:
+        if self._chunks is not None:
             self._chunks.reset()
 
     def close(self) -> None:
@@ -253,13 +253,13 @@ class LlamaCppSession(Session):
         if hit is not None and hit.n_tokens > start:
             if llamacpp_disk_cache.load(self.llm, hit):
                 start = clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
-                if self._chunks:
+                if self._chunks is not None:
                     self._chunks.reset()  # the file's cells are exact
             else:
                 store.notice("prompt cache: llama.cpp refused a state file; prefilling instead")
                 start = 0
         save_at = prompt_cache.save_point(len(prompt_ids), start)
-        if save_at and not (self._chunks and self._chunks.lossy_below(start)):  # files hold exact KV only
+        if save_at and not (self._chunks is not None and self._chunks.lossy_below(start)):  # exact KV only
             self.llm.n_tokens = start  # eval removes the cells from here on before decoding
             self.llm.eval(prompt_ids[start:save_at])
             try:

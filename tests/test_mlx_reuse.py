@@ -70,7 +70,8 @@ def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_ru
     assert got == want
     for a, b in zip(cold.cache.layers, second.cache.layers):  # the same tokens kept, the same scores
         assert np.array_equal(a.kept_ids(), b.kept_ids())
-        assert np.array_equal(np.sort(np.concatenate([a.q_mass, a.f_mass])), np.sort(np.concatenate([b.q_mass, b.f_mass])))
+        mass = [np.sort(np.concatenate([layer.q_mass, layer.f_mass])) for layer in (a, b)]
+        assert np.array_equal(*mass)
     assert np.array_equal(cold.last_logits, second.last_logits)
     held = int(entry.meta["kv_bytes"])
     if not second.plan.policy.evicts:  # the cost model's bytes, quantized groups as held, plus the header
@@ -119,4 +120,5 @@ def test_a_cache_with_sliding_layers_goes_through_a_file_and_decodes_on_as_befor
         want = np.array(model(mx.array([t], dtype=mx.int32), first))
         got = np.array(model(mx.array([t], dtype=mx.int32), second))
         assert np.array_equal(got, want)
-    assert [layer.kept_ids().tolist() for layer in second.layers] == [layer.kept_ids().tolist() for layer in first.layers]
+    kept = [[layer.kept_ids().tolist() for layer in cache.layers] for cache in (first, second)]
+    assert kept[0] == kept[1]
