@@ -59,6 +59,7 @@ class TurnStats:
     kv_tokens: int = 0
     evicted_tokens: int = 0
     tokens_per_step: float = 0.0  # prompt lookup: answer tokens per decode forward (0: it did not run)
+    shifted_tokens: int = 0  # of cached_tokens, kept at moved positions (llama.cpp --cache-reuse: lossy)
 
     @classmethod
     def from_stats(cls, stats: GenerationStats, finish_reason: str) -> "TurnStats":
@@ -67,7 +68,8 @@ class TurnStats:
                    generated_tokens=stats.generated_tokens, prefill_tok_s=stats.prefill_tok_s,
                    decode_tok_s=stats.decode_tok_s, kv_bytes=stats.kv_bytes, kv_tokens=stats.kv_tokens,
                    evicted_tokens=stats.evicted_tokens,
-                   tokens_per_step=stats.tokens_per_step if stats.speculate == "ngram" else 0.0)
+                   tokens_per_step=stats.tokens_per_step if stats.speculate == "ngram" else 0.0,
+                   shifted_tokens=stats.shifted_tokens)
 
 
 @dataclass

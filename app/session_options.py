@@ -51,12 +51,13 @@ class SessionRequest:
     heavy: bool = False  # let the planner consider heavy-hitter eviction (localctx plan --heavy)
     endpoints: tuple[str, ...] = ()  # --backend openai: the servers
     prompt_cache: bool = False  # keep long prompts' KV on disk (run, chat, summarize)
+    cache_reuse: int = 0  # llama.cpp: move cached runs of at least this many tokens into place (0: off)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, prompt_cache: bool = False) -> "SessionRequest":
+    def from_args(cls, args: argparse.Namespace, prompt_cache: bool = False, cache_reuse: int = 0) -> "SessionRequest":
         return cls(model=args.model, backend=args.backend, kv=args.kv, context=args.context,
                    min_tok_s=args.min_tok_s, exact=args.exact, max_memory=args.max_memory,
-                   endpoints=tuple(args.endpoint), prompt_cache=prompt_cache)
+                   endpoints=tuple(args.endpoint), prompt_cache=prompt_cache, cache_reuse=cache_reuse)
 
     def plan_request(self) -> PlanRequest:
         return PlanRequest(context=self.context, min_tok_s=self.min_tok_s, exact=self.exact,
@@ -111,6 +112,19 @@ def add_prompt_cache_option(parser: argparse.ArgumentParser) -> None:
                         help="neither read nor write the KV of long prompts on disk (localctx cache ls)")
 
 
+def add_cache_reuse_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                        help="llama.cpp, fp16 KV: when a message is removed from the middle of a conversation, "
+                             "keep the cached runs of at least N tokens after it, moved into place (lossy: their KV "
+                             "was computed with the removed text before them); 0 = off (default)")
+
+
+def check_cache_reuse(n: int) -> int:
+    if n < 0:
+        raise UserError(f"--cache-reuse {n} must be 0 (off) or a run length in tokens, e.g. 64")
+    return n
+
+
 @dataclass(frozen=True)
 class PlannedSession:
     """A model resolved and planned, not loaded yet: load() does the slow part."""
@@ -118,11 +132,17 @@ class PlannedSession:
     spec: ModelSpec
     plan: Plan
     prompt_cache: bool = False  # keep long prompts' KV on disk
+    cache_reuse: int = 0  # llama.cpp's shift-based chunk reuse, runs of at least this many tokens (0: off)
 
     def load(self) -> Session:
         session = registry.get(self.plan.backend).load(self.ref, self.plan)
         if self.prompt_cache and self.ref.kind != "fake":
             session.enable_prompt_cache(self.ref.path)  # a backend without one just says why; nothing to tell here
+        if self.cache_reuse:
+            reason = session.enable_chunk_reuse(self.cache_reuse)
+            if reason:
+                session.close()
+                raise UserError(f"--cache-reuse does not apply: {reason}; drop --cache-reuse")
         return session
 
 
@@ -134,7 +154,10 @@ def plan_session(req: SessionRequest) -> PlannedSession:
     if refusals:
         raise UserError(f"backend {plan.backend} cannot run KV policy {plan.policy}: {'; '.join(refusals)}; "
                         "choose another --kv or --backend")
-    return PlannedSession(ref, spec, plan, req.prompt_cache)
+    if check_cache_reuse(req.cache_reuse) and plan.backend != "llamacpp":  # before a model loads for nothing
+        raise UserError(f"--cache-reuse is llama.cpp's shift-based chunk reuse and the plan runs on {plan.backend}; "
+                        "add --backend llamacpp or drop --cache-reuse")
+    return PlannedSession(ref, spec, plan, req.prompt_cache, req.cache_reuse)
 
 
 def open_session(req: SessionRequest) -> Session:

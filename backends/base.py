@@ -40,6 +40,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens reused from the session's cache (not prefilled again)
     loaded_tokens: int = 0  # of those, tokens read from the prompt cache on disk
+    shifted_tokens: int = 0  # of those, tokens kept at moved positions (llama.cpp's chunk reuse: lossy)
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -160,6 +161,11 @@ class Session(ABC):
         """Keep long prompts' KV on disk (kvcache/prompt_cache.py); returns why not, or None."""
         return f"the {self.backend_name} backend keeps no prompt cache on disk"
 
+    def enable_chunk_reuse(self, min_chunk: int) -> str | None:
+        """Keep cached runs of at least ``min_chunk`` tokens that reappear later in the next prompt,
+        moved to their new positions (lossy; llama.cpp only); returns why not, or None."""
+        return f"the {self.backend_name} backend has no shift-based chunk reuse (llama.cpp only)"
+
     def reset(self) -> None:
         """Forget the cached conversation."""
 
@@ -221,6 +227,7 @@ class StatsClock:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     loaded_tokens: int = 0
+    shifted_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -233,6 +240,7 @@ class StatsClock:
     def stats(self, kv_bytes: int, kv_tokens: int, evicted: int = 0) -> GenerationStats:
         return GenerationStats(backend=self.backend, policy=self.policy, prompt_tokens=self.prompt_tokens,
                                cached_tokens=self.cached_tokens, loaded_tokens=self.loaded_tokens,
+                               shifted_tokens=self.shifted_tokens,
                                generated_tokens=self.generated_tokens,
                                prefill_s=self.prefill_s, decode_s=self.decode_s, kv_bytes=kv_bytes,
                                kv_tokens=kv_tokens, evicted_tokens=evicted, speculate=self.speculate,

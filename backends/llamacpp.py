@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from localctx.backends import llamacpp_disk_cache, llamacpp_shift, speculative
+from localctx.backends import llamacpp_chunk_reuse, llamacpp_disk_cache, llamacpp_shift, speculative
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.chat_template import ChatTemplate, gguf_template_source
@@ -149,6 +149,7 @@ class LlamaCppSession(Session):
         self._eog = _EndOfGeneration(self.llm)
         self._shift = llamacpp_shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
+        self._chunks: llamacpp_chunk_reuse.ChunkReuse | None = None  # opt-in: enable_chunk_reuse()
 
     # -- prompts ---------------------------------------------------------------
     def _piece(self, token: int) -> str:
@@ -182,6 +183,8 @@ class LlamaCppSession(Session):
         self.llm._ctx.kv_cache_clear()
         if self._shift:
             self._shift.reset()
+        if self._chunks is not None:
+            self._chunks.reset()
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -219,6 +222,19 @@ class LlamaCppSession(Session):
                 return 0
         return reuse
 
+    def enable_chunk_reuse(self, min_chunk: int) -> str | None:
+        """Keep runs of at least ``min_chunk`` cached tokens that reappear later in the next prompt,
+        moved into place (llamacpp_chunk_reuse; lossy); returns why not, or None."""
+        reason = llamacpp_chunk_reuse.refusal(self.llm, self.settings, self.spec, self._n_swa)
+        if reason is None:
+            self._chunks = llamacpp_chunk_reuse.ChunkReuse(self.llm, min_chunk)
+        return reason
+
+    def _reuse_chunks(self, prompt_ids: list[int], clock: StatsClock) -> None:
+        if self._chunks is not None:
+            clock.shifted_tokens = self._chunks.apply(prompt_ids)
+            clock.cached_tokens = max(clock.cached_tokens, self._cached_prefix(prompt_ids))
+
     # -- the prompt cache on disk --------------------------------------------------------
     def enable_prompt_cache(self, model_path: Path) -> str | None:
         if self._shift:
@@ -239,11 +255,13 @@ class LlamaCppSession(Session):
         if hit is not None and hit.n_tokens > start:
             if llamacpp_disk_cache.load(self.llm, hit):
                 start = clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
+                if self._chunks is not None:
+                    self._chunks.reset()  # the file's cells are exact
             else:
                 store.notice("prompt cache: llama.cpp refused a state file; prefilling instead")
                 start = 0
         save_at = prompt_cache.save_point(len(prompt_ids), start)
-        if save_at:
+        if save_at and not (self._chunks is not None and self._chunks.lossy_below(start)):  # exact KV only
             self.llm.n_tokens = start  # eval removes the cells from here on before decoding
             self.llm.eval(prompt_ids[start:save_at])
             try:
@@ -253,6 +271,7 @@ class LlamaCppSession(Session):
 
     def _tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):
         self._disk_prefix(prompt_ids, clock)
+        self._reuse_chunks(prompt_ids, clock)
         if params.seed is not None:
             self.llm.set_seed(params.seed)
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
@@ -278,6 +297,7 @@ class LlamaCppSession(Session):
 
     def _drafted_tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):
         self._disk_prefix(prompt_ids, clock)
+        self._reuse_chunks(prompt_ids, clock)
         self._prefill(prompt_ids)
         verifier = LlamaCppVerifier(self.llm, self.plan.context, self._shift)
         try:

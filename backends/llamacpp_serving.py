@@ -8,7 +8,9 @@ are what the slots share with it), so the server holds the plan's KV once, not t
 its last token in one shared ``llama_decode`` per step (the weights are read once per step), and
 streams join and leave between steps. A slot keeps its cells after its request: a follow-up
 that extends the conversation removes only the cells past the common prefix
-(``llama_memory_seq_rm``) and prefills the rest. Windowed policies (context shift) are not
+(``llama_memory_seq_rm``) and prefills the rest; with ``chunk_reuse`` (``--cache-reuse N``) a
+follow-up that drops a middle message also keeps the cached runs after it, moved into place
+(backends/llamacpp_chunk_reuse.py; lossy). Windowed policies (context shift) are not
 batched here; they are served one stream at a time."""
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from typing import Iterator
 
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
 from localctx.backends.llamacpp_batch import _CTX_ROUND, BatchDecoder, _Sequence, _sampler
-from localctx.backends.slots import Slot, choose_slot
+from localctx.backends.llamacpp_chunk_reuse import move_runs, plan_moves
+from localctx.backends.slots import Slot, choose_slot, common_prefix
 from localctx.backends.streaming import KVProbe, stream
 from localctx.kvcache.errors import UserError
 
@@ -35,15 +38,22 @@ class LiveStream:
 OWN_CONTEXT = _CTX_ROUND  # cells of the session's own context beside the slots' (llama.cpp's minimum pad)
 
 
-def open_slots(ref, plan, n_slots: int) -> "LlamaSlots":
+def open_slots(ref, plan, n_slots: int, chunk_reuse: int = 0) -> "LlamaSlots":
     """The session and its slots for a server: the slots' context holds the plan's KV."""
     from localctx.backends.llamacpp import LlamaCppSession
 
-    return LlamaSlots(LlamaCppSession(ref, plan, own_context=OWN_CONTEXT), n_slots)
+    session = LlamaCppSession(ref, plan, own_context=OWN_CONTEXT)
+    reason = session.enable_chunk_reuse(chunk_reuse) if chunk_reuse else None
+    if reason:
+        session.close()
+        raise UserError(f"--cache-reuse does not apply: {reason}; drop --cache-reuse")
+    return LlamaSlots(session, n_slots, chunk_reuse)
 
 
 class LlamaSlots:
-    def __init__(self, session, n_slots: int):
+    def __init__(self, session, n_slots: int, chunk_reuse: int = 0):
+        """``chunk_reuse``: move cached runs of at least this many tokens into place (0: off)."""
+        self.chunk_reuse = chunk_reuse
         self.session = session
         per_slot = session.plan.context // n_slots // _CTX_ROUND * _CTX_ROUND
         if per_slot < _CTX_ROUND:
@@ -69,6 +79,22 @@ class LlamaSlots:
     def capacity(self) -> int:
         return len(self.slots)
 
+    def _reusable(self, slot: Slot, ids: list[int]) -> tuple[int, list]:
+        """(common prefix, runs that chunk reuse would move) of ``slot`` for ``ids``."""
+        shared = common_prefix(slot.history, ids)
+        return shared, plan_moves(slot.history, ids, shared, self.chunk_reuse) if self.chunk_reuse else []
+
+    def _choose(self, ids: list[int]) -> tuple[Slot, int, list] | None:
+        """choose_slot's choice, except that with chunk reuse an idle slot whose cache this prompt
+        reuses for at least half of it (prefix and moved runs together) is taken first."""
+        if self.chunk_reuse:
+            scored = [(s, *self._reusable(s, ids)) for s in self.slots if not s.busy and s.history]
+            best = max(scored, key=lambda c: c[1] + sum(m.n for m in c[2]), default=None)
+            if best is not None and 2 * (best[1] + sum(m.n for m in best[2])) >= len(best[0].history):
+                return best
+        choice = choose_slot(self.slots, ids)
+        return None if choice is None else (*choice, [])
+
     def _forget(self, slot: Slot, keep: int = 0) -> None:
         self.llama_cpp.llama_memory_seq_rm(self.decoder.memory, slot.seq_id, keep, -1)
         del slot.history[keep:]
@@ -84,16 +110,21 @@ class LlamaSlots:
                             "a server with a smaller --parallel gives each more)") from None
         if params.max_tokens > self.per_slot - len(ids):
             params = dataclasses.replace(params, max_tokens=self.per_slot - len(ids))
-        choice = choose_slot(self.slots, ids)
+        choice = self._choose(ids)
         if choice is None:
             return None
-        slot, shared = choice
+        slot, shared, moves = choice
+        if moves:  # cells of the old conversation past the last moved run: _forget drops them below
+            move_runs(self.llama_cpp, self.decoder.memory, slot.seq_id, moves)
+            shared = moves[-1].dst + moves[-1].n
+            slot.history[:] = ids[:shared]
         reused = min(shared, len(ids) - 1)  # at least one token is decoded, for the logits
         self._forget(slot, reused)
         slot.busy = True
         seq = _Sequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=_sampler(params), n_past=reused)
         live = LiveStream(slot, seq)
-        clock = StatsClock(backend="llamacpp", policy=str(s.plan.policy), prompt_tokens=len(ids), cached_tokens=reused)
+        clock = StatsClock(backend="llamacpp", policy=str(s.plan.policy), prompt_tokens=len(ids), cached_tokens=reused,
+                           shifted_tokens=sum(m.n for m in moves))
 
         def kv() -> tuple[int, int, int]:
             return s.held_bytes(seq.n_past), seq.n_past, 0

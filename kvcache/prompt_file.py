@@ -26,7 +26,7 @@ import numpy as np
 
 FORMAT = "localctx-prompt-cache/1"
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "I64": np.int64, "I32": np.int32,
-           "U8": np.uint8, "I8": np.int8}
+           "U8": np.uint8, "I8": np.int8, "U32": np.uint32}
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items() if v is not None}
 _HEADER_MAX = 64 << 20
 

@@ -12,6 +12,8 @@ from summarize_helpers import fake_session
 class FailingSession:
     """Streams ``before`` events of the fake session, then raises ``error``; counts resets."""
 
+    prompt_cache = None  # as a Session without a prompt cache on disk
+
     def __init__(self, error: Exception, before: int = 2):
         self.inner, self.error, self.before, self.resets = fake_session(), error, before, 0
 

@@ -28,8 +28,13 @@ TINY = {**CONFIG, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim"
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
+    return write_tiny_folder(tmp_path_factory.mktemp("tiny") / "model", TINY)
+
+
+def write_tiny_folder(path, config):
+    """A random-weight model folder of ``config`` with a small trained BPE tokenizer and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    folder = write_hf_folder(tmp_path_factory.mktemp("tiny") / "model", config=TINY)
+    folder = write_hf_folder(path, config=config)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -35,6 +35,13 @@ class Loaded:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """A line the session has for the user mid-answer (the prompt cache on disk ignored a file, could
+    not write one): shown in the chat, never printed to stderr over the screen."""
+    message: str
+
+
+@dataclass(frozen=True)
 class Replanned:
     session: Session | None  # None when the new policy was refused
     message: str
@@ -43,6 +50,12 @@ class Replanned:
 Emit = Callable[[object], None]
 Reopen = Callable[[str | None], Session]  # a new session with this --kv policy (None = planned)
 Load = Callable[[], Session]  # loads the planned model
+
+
+def route_notices(session: Session, emit: Emit) -> None:
+    """The session's prompt cache tells the chat, not stderr (which would draw over the screen)."""
+    if session.prompt_cache is not None:
+        session.prompt_cache.notice = lambda line: emit(Notice(line))
 
 
 class ChatEngine:
@@ -82,6 +95,7 @@ class ChatEngine:
             except Exception as exc:  # a backend bug: one line for the user, the traceback in the log
                 emit(Loaded(None, RuntimeFailure(f"loading the model failed: {type(exc).__name__}: {exc}")))
                 return
+            route_notices(self.session, emit)
             emit(Loaded(self.session))
 
     def answer(self, turn: int, messages: list[dict], cancel: threading.Event, emit: Emit) -> None:
@@ -118,6 +132,7 @@ class ChatEngine:
             except Exception as exc:
                 emit(Replanned(None, f"re-planning failed: {type(exc).__name__}: {exc}"))
                 return
+            route_notices(new, emit)
             old, self.session = self.session, new
             if old is not None:
                 old.close()

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import psutil
 
-from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options,
-                                          open_session, plan_session)
+from localctx.app.session_options import (SessionRequest, add_cache_reuse_option, add_prompt_cache_option,
+                                          add_session_options, open_session, plan_session)
 from localctx.backends import speculative
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes
@@ -23,6 +23,7 @@ def register(sub) -> None:
                                    "chat, Ctrl+O lists saved chats, F2 shows the plan, /help lists commands.")
     add_session_options(p)
     add_prompt_cache_option(p)
+    add_cache_reuse_option(p)
     p.add_argument("--system", default="", help="system prompt for new chats")
     p.add_argument("--max-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -52,7 +53,7 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.history import History
 
     params = params_from(args)
-    request = SessionRequest.from_args(args, prompt_cache=args.prompt_cache)
+    request = SessionRequest.from_args(args, prompt_cache=args.prompt_cache, cache_reuse=args.cache_reuse)
     planned = plan_session(request)  # a bad -m / --kv / --context fails here, before the TUI starts
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UserError("localctx chat needs a terminal (stdin and stdout); for piped or scripted use, "

@@ -8,7 +8,8 @@ import os
 import socket
 import sys
 
-from localctx.app.session_options import SessionRequest, add_session_options, plan_session, resolve_model
+from localctx.app.session_options import (SessionRequest, add_cache_reuse_option, add_session_options, plan_session,
+                                          resolve_model)
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 
@@ -21,6 +22,7 @@ def register(sub) -> None:
                                    "/v1/models, /health). Binds 127.0.0.1 unless --host says otherwise; another "
                                    "address needs --api-key.")
     add_session_options(p)
+    add_cache_reuse_option(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port, printed)")
     p.add_argument("--api-key", default=None,
@@ -90,7 +92,7 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.serve.scheduler import Limits, Scheduler
     from localctx.app.serve.streams import open_streams
 
-    req = SessionRequest.from_args(args)
+    req = SessionRequest.from_args(args, cache_reuse=args.cache_reuse)
     ref, _spec = resolve_model(req)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
     session, streams = open_streams(plan_session(req), args.parallel)

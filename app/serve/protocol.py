@@ -179,7 +179,7 @@ def usage(event: GenerationEvent) -> dict:
 def extension(event: GenerationEvent, plan: Plan, context: int | None, timed_out: bool) -> dict:
     s = event.stats
     return {"policy": s.policy, "exact": plan.exact, "kv_bytes": s.kv_bytes, "kv_tokens": s.kv_tokens,
-            "evicted_tokens": s.evicted_tokens, "cached_tokens": s.cached_tokens,
+            "evicted_tokens": s.evicted_tokens, "cached_tokens": s.cached_tokens, "shifted_tokens": s.shifted_tokens,
             "context": context or plan.context, "backend": s.backend,
             "finish": "timeout" if timed_out else event.finish_reason,
             "prefill_tok_s": round(s.prefill_tok_s, 2), "decode_tok_s": round(s.decode_tok_s, 2)}

@@ -91,7 +91,7 @@ def open_streams(planned, parallel: int) -> tuple[Session, object]:
     if parallel > 1 and plan.backend == "llamacpp" and not plan.policy.evicts:
         from localctx.backends.llamacpp_serving import open_slots
 
-        slots = open_slots(planned.ref, plan, parallel)
+        slots = open_slots(planned.ref, plan, parallel, planned.cache_reuse)
         return slots.session, slots
     session = planned.load()
     return session, make_streams(session, parallel)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ import numpy as np
 
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
+from localctx.backends.mlx import disk_cache
 from localctx.backends.mlx.cache import CacheShape, ModelCache
 from localctx.backends.mlx.loading import LoadedModel, LoadOptions, load_folder, load_gguf
 from localctx.backends.mlx.sampling import Sampler
@@ -21,9 +23,11 @@ from localctx.backends.mlx.tokenizer import Tokenizer, folder_tokenizer, gguf_to
 from localctx.backends.model_spec import read_spec
 from localctx.backends.streaming import KVProbe, stream
 from localctx.kernels_metal.decode_attention import KERNEL_AVAILABLE as DECODE_KERNEL
+from localctx.kvcache import prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.prompt_cache import PromptCache
 from localctx.kvcache.spec import ModelSpec
 
 
@@ -102,6 +106,47 @@ class MLXSession(Session):
         self.reset()
         return tokens, 0
 
+    # -- the prompt cache on disk (backends/mlx/disk_cache.py) --------------------------------
+    def enable_prompt_cache(self, model_path: Path) -> str | None:
+        if not Path(model_path).is_file():
+            return "the prompt cache keys on a single model file; this model is a folder"
+        policy, cache = str(self.plan.policy), self.cache
+        self.prompt_cache = PromptCache(lambda: disk_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
+        return None
+
+    def _load_from_disk(self, tokens: list[int], reused: int, clock: StatsClock) -> int:
+        """Replace the cache with a file's when that reuses more of ``tokens`` (a file is used whole:
+        this cache cannot be cut back exactly in general); returns the tokens now cached."""
+        hit = self.prompt_cache.lookup(tokens, len(tokens) - 1, whole_only=True)
+        if hit is None or hit.n_tokens <= reused:
+            return reused
+        try:
+            disk_cache.load(self.cache, hit)
+        except ValueError as exc:
+            self.reset()
+            self.prompt_cache.notice(f"prompt cache: {hit.file.path.name} does not fit this cache ({exc}); prefilling")
+            clock.cached_tokens = 0
+            return 0
+        self.fed, self.last_logits = list(tokens[:hit.n_tokens]), None
+        clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
+        return hit.n_tokens
+
+    def _prefill(self, tokens: list[int], todo: list[int], clock: StatsClock) -> np.ndarray:
+        """Feeds ``todo`` (the end of ``tokens``), first from a prompt-cache file where one covers
+        more, saving the prompt's cache at its last chunk boundary on the way."""
+        if self.prompt_cache is None:
+            return self.feed(todo) if todo else self.last_logits
+        start = self._load_from_disk(tokens, len(tokens) - len(todo), clock)
+        save_at = prompt_cache.save_point(len(tokens), start)
+        if save_at:
+            self.feed(tokens[start:save_at])
+            start = save_at
+            try:
+                disk_cache.save(self.prompt_cache, self.cache, tokens[:save_at])
+            except OSError as exc:  # a full or read-only disk costs the cache, not the answer
+                self.prompt_cache.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
+        return self.feed(tokens[start:]) if start < len(tokens) else self.last_logits
+
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         tokens = self.tokenizer.encode(self.render(prompt))
@@ -115,7 +160,7 @@ class MLXSession(Session):
         sampler = Sampler(params)
 
         def ids() -> Iterator[int]:
-            logits = self.feed(todo) if todo else self.last_logits
+            logits = self._prefill(tokens, todo, clock)
             while True:
                 tok = sampler(logits)
                 yield tok

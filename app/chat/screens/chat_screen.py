@@ -18,7 +18,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header
 
 from localctx.app.chat import slash
-from localctx.app.chat.engine import ChatEngine, Failed, Loaded, Replanned, Streamed
+from localctx.app.chat.engine import ChatEngine, Failed, Loaded, Notice, Replanned, Streamed
 from localctx.app.chat.figures import CacheFigures, SessionFacts
 from localctx.app.chat.frames import FrameBuffer, FramePacer
 from localctx.app.chat.screens.conversations import ConversationsScreen
@@ -201,6 +201,8 @@ class ChatScreen(Screen):
             await self.replanned(payload)
         elif isinstance(payload, Loaded):
             self.loaded(payload)
+        elif isinstance(payload, Notice):  # above the answer it came with, if one is streaming
+            await self.view.add_note(payload.message, before=self.answer)
 
     def loaded(self, result: Loaded) -> None:
         if result.session is None:

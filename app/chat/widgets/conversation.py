@@ -6,6 +6,7 @@ from functools import lru_cache
 from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
+from textual.widget import Widget
 from textual.widgets import Label, Markdown, Static
 
 from localctx.app.history import ChatMessage, Conversation, TurnStats
@@ -22,6 +23,8 @@ def stats_line(stats: TurnStats) -> str:
     if stats.prefill_tok_s:
         parts.append(f"prefill {stats.prefill_tok_s:,.1f} tok/s")
     parts.append(f"{stats.prompt_tokens - stats.cached_tokens:,} of {stats.prompt_tokens:,} prompt tokens prefilled")
+    if stats.shifted_tokens:
+        parts.append(f"{stats.shifted_tokens:,} reused at moved positions (lossy)")
     if stats.evicted_tokens:
         parts.append(f"{stats.evicted_tokens:,} evicted")
     finish = FINISH_WORDS.get(stats.finish_reason, stats.finish_reason)
@@ -108,6 +111,7 @@ class ConversationView(VerticalScroll):
         await self.mount(answer)
         return answer
 
-    async def add_note(self, text: str, kind: str = "info") -> None:
-        await self.mount(Note(text, kind))
+    async def add_note(self, text: str, kind: str = "info", before: Widget | None = None) -> None:
+        """A note at the end of the conversation, or just ``before`` a widget of it."""
+        await self.mount(Note(text, kind), before=before)
         self.scroll_end(animate=False)
