@@ -114,10 +114,11 @@ def attend_visible(q: torch.Tensor, full: FullTokens, quant: QuantGroups | None,
         sink = view.sink_keys[None, :, None]
         qr = torch.cat([qr, _rotate(rope, qt, view.q_sink_positions)], dim=-1)
         kr = torch.cat([kr.masked_fill(sink, 0), kr.masked_fill(~sink, 0)], dim=-1)
+        v = torch.cat([v, torch.zeros_like(v)], dim=-1)  # equal head dims keep SDPA on its fused CPU path
     scale = scale if scale is not None else D ** -0.5
     out = F.scaled_dot_product_attention(qr.unsqueeze(0), kr.unsqueeze(0), v.unsqueeze(0), attn_mask=view.visible,
                                          scale=scale, enable_gqa=Hq != Hkv)[0]
-    return AttentionResult(out.transpose(0, 1))
+    return AttentionResult(out[..., :D].transpose(0, 1))
 
 
 def attend_reference(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: QuantGroups | None,
