@@ -13,6 +13,13 @@ before its attention (which reads the store in place, no copy); after it, groups
 residual are quantized and units outside the window are evicted (heavy hitters kept by
 accumulated attention mass).
 
+A step of several tokens (a prefill chunk) attends exactly as decoding them one at a time would:
+where nothing ages or leaves before its last query it is one causal attention (on the fused
+kernel); otherwise each query is masked to what decoding would show it, groups that age during
+the chunk in both forms (``kvcache/chunk_view.py``, the reference attention); under heavy
+hitters the chunk runs as sub-steps between the points where decoding would evict, since which
+units stay depends on the attention mass up to each eviction.
+
 ``kv_bytes`` is what the tensors hold (K/V payload plus fp16 group scales and mins) and equals
 ``cost.kv_bytes(spec, policy, n)`` for every sequence of n tokens.
 
@@ -168,7 +175,8 @@ class PolicyKVCache:
         if any(self.track_mass):
             return 0
         n = self._seq(seq_id).n_seen
-        return min(_append_room(p, n, limit) for p in set(self.layer_policies))
+        # the tokens after the first that one step attends exactly are the ones appended with nothing changed
+        return min(chunk_view.substep_length(p, n, limit + 1) - 1 for p in set(self.layer_policies))
 
     @torch.inference_mode()
     def drop_newest(self, seq_id: int, n_tokens: int) -> None:
@@ -397,14 +405,3 @@ class PolicyKVCache:
     def _ids(self, seq_id: int | None) -> list[int]:
         return list(self._seqs) if seq_id is None else [seq_id]
 
-
-def _append_room(policy: KVPolicy, n_seen: int, limit: int) -> int:
-    """Tokens one layer under ``policy`` can append after ``n_seen`` with nothing aged or evicted."""
-    base = eviction.held_counts(policy, n_seen)
-    room = 0
-    while room < limit:
-        after = eviction.held_counts(policy, n_seen + room + 1)
-        if after.quant_groups != base.quant_groups or after.tokens != base.tokens + room + 1:
-            break
-        room += 1
-    return room
