@@ -67,7 +67,8 @@ def _torch_logits(loaded, policy, tokens, chunks):
     return np.concatenate(out), cache
 
 
-@pytest.mark.parametrize("text,chunks", CASES, ids=[c[0] if isinstance(c, tuple) else c.values[0] for c in CASES])
+@pytest.mark.parametrize("text,chunks", CASES, ids=["fp16", "int8", "int4+res16", "fp16+sink4+win16+heavy8",
+                                                    "int8+sink4+win32", "int4+res8+sink4+win40+heavy32"])
 def test_mlx_logits_match_the_torch_backend(models, text, chunks):
     mlx_loaded, torch_loaded, tokens = models
     policy = KVPolicy.parse(text)
