@@ -85,8 +85,9 @@ def test_full_precision_unbounded_policy_cache_equals_the_paged_cache():
 
 
 def test_sinks_and_window_attend_over_exactly_the_kept_tokens_at_reindexed_positions():
-    """A reference built from scratch: keep the whole history, pick sinks + the last W tokens
-    before each step, rotate them at their ranks and run dense attention."""
+    """A reference built from scratch: keep the whole history; for each query p pick the sinks and
+    the last W tokens before it (what decoding token p holds, whatever the step's size), itself
+    last, rotate them at their ranks and run dense attention for that query alone."""
     S, W = 3, 20
     cache = PolicyKVCache(SHAPE, KVPolicy.parse(f"fp16+sink{S}+win{W}"), ROPE)
     cache.add_sequence(0)
@@ -95,25 +96,25 @@ def test_sinks_and_window_attend_over_exactly_the_kept_tokens_at_reindexed_posit
     n = 0
     for T in [10, 15, 1, 1, 7, 1, 30, 1]:
         cache.begin_step([0], T)
-        kept = list(range(min(n, S))) + [i for i in range(max(S, n - W), n)]
         for layer in range(L):
             q, k, v = (torch.randn(1, T, h, D, generator=gen) for h in (H, HKV, HKV))
             out = cache.attend(layer, q, k, v)
             hist_k[layer].append(k[0]); hist_v[layer].append(v[0])
             allk, allv = torch.cat(hist_k[layer]), torch.cat(hist_v[layer])
-            sel = torch.tensor(kept + list(range(n, n + T)))
-            pos = torch.arange(len(sel))[None]
-            kr = ROPE.rotate(allk[sel][None], pos)
-            qr = ROPE.rotate(q, pos[:, len(kept):])
-            ref = dense_attention(qr, kr, allv[sel][None], pos[:, len(kept):])
-            assert torch.allclose(out, ref, atol=1e-5)
+            for t in range(T):
+                p = n + t
+                sel = torch.tensor(list(range(min(p, S))) + list(range(max(S, p - W), p)) + [p])
+                pos = torch.arange(len(sel))[None]
+                ref = dense_attention(ROPE.rotate(q[:, t:t + 1], pos[:, -1:]), ROPE.rotate(allk[sel][None], pos),
+                                      allv[sel][None], pos[:, -1:])
+                assert torch.allclose(out[:, t:t + 1], ref, atol=1e-5), f"query {p} differs"
         n += T
 
 
 @pytest.mark.parametrize("text", ["int4+res16", "int8", "int4+g64+sink3", "k8v4+res16", "kf16v4", "k4vf16+g64+sink3"])
 def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
-    """A reference built from scratch: every token's exact K/V; before each step, main-stream
-    groups 1, 2, ... that are entirely older than the residual are quantized and dequantized
+    """A reference built from scratch: every token's exact K/V; for each query p, main-stream
+    groups 1, 2, ... that are entirely older than the residual at p are quantized and dequantized
     (kvcache.quant), group 0 (the head) and the sinks are not; rotate at positions, dense attention."""
     policy = KVPolicy.parse(text)
     S, g, R = policy.sinks, policy.group_size, policy.residual
@@ -130,17 +131,20 @@ def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
             k[0, :, :, 0] += 8.0 * (torch.arange(T) + n == 0)[:, None]  # an outlier at token 0, as attention sinks have
             out = cache.attend(layer, q, k, v)
             hist_k[layer].append(k[0]); hist_v[layer].append(v[0])
-            allk, allv = torch.cat(hist_k[layer]).clone(), torch.cat(hist_v[layer]).clone()
-            for grp in range(1, n_groups):
-                sel = slice(S + grp * g, S + (grp + 1) * g)
-                gk, gv = allk[sel].transpose(0, 1), allv[sel].transpose(0, 1)  # [H, g, D]
-                if policy.k_bits < 16:  # a side at 16 bits stays as it is
-                    allk[sel] = quant.dequantize_keys(quant.quantize_keys(gk, policy.k_bits)).transpose(0, 1)
-                if policy.v_bits < 16:
-                    allv[sel] = quant.dequantize_values(quant.quantize_values(gv, policy.v_bits, g), g).transpose(0, 1)
-            pos = torch.arange(n + T)[None]
-            ref = dense_attention(ROPE.rotate(q, pos[:, n:]), ROPE.rotate(allk[None], pos), allv[None], pos[:, n:])
-            assert torch.allclose(out, ref, atol=1e-5), f"{text}: attention differs at {n} tokens"
+            for t in range(T):
+                p = n + t
+                allk, allv = torch.cat(hist_k[layer])[:p + 1].clone(), torch.cat(hist_v[layer])[:p + 1].clone()
+                for grp in range(1, max(0, p - S - R) // g):  # aligned main groups older than the residual at p
+                    sel = slice(S + grp * g, S + (grp + 1) * g)
+                    gk, gv = allk[sel].transpose(0, 1), allv[sel].transpose(0, 1)  # [H, g, D]
+                    if policy.k_bits < 16:  # a side at 16 bits stays as it is
+                        allk[sel] = quant.dequantize_keys(quant.quantize_keys(gk, policy.k_bits)).transpose(0, 1)
+                    if policy.v_bits < 16:
+                        allv[sel] = quant.dequantize_values(quant.quantize_values(gv, policy.v_bits, g), g).transpose(0, 1)
+                pos = torch.arange(p + 1)[None]
+                ref = dense_attention(ROPE.rotate(q[:, t:t + 1], pos[:, p:]), ROPE.rotate(allk[None], pos),
+                                      allv[None], pos[:, p:])
+                assert torch.allclose(out[:, t:t + 1], ref, atol=1e-5), f"{text}: attention differs at query {p}"
         layer0 = cache._seqs[0].layers[0]
         assert layer0.n_groups == max(0, (n + T - S - R) // g - 1)
         assert set(range(min(n + T, S + g))) <= set(layer0.full_idx.view.tolist()), "the head was quantized"
