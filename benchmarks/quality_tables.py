@@ -1,0 +1,84 @@
+"""The figures of docs/quality.md that this script names: each is one `localctx eval ... --json`
+command, whose output is written (atomically) to docs/quality-NAME.json, so every row of those
+tables regenerates from a committed command.
+
+    python benchmarks/quality_tables.py --list          # the names and their commands
+    python benchmarks/quality_tables.py NAME [NAME...]  # run those (one at a time, in order)
+    python benchmarks/quality_tables.py --all
+
+Quality numbers are deterministic for a given build and thread count; only the wall times in the
+JSON depend on what else the machine was running. llama.cpp runs with one thread (--threads 1)
+so that a shared machine slows it down without its threads spinning on each other."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+GEMMA3 = "/work/models/gemma-3-270m-it-Q4_K_M.gguf"
+LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
+SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle-depths", "0.1,0.5,0.9"]
+GEMMA_PPL = ["-m", GEMMA3, "--tokens", "30720", "--segment", "2048", "--chunk", "256", "--no-needle"]
+GEMMA_NEEDLE = ["-m", GEMMA3, "--no-perplexity", "--chunk", "256", "--needle-lengths", "4096,16384,30000",
+                "--needle-depths", "0.5"]
+
+# name → the arguments of `localctx eval` (--json is added)
+COMMANDS: dict[str, list[str]] = {
+    # SmolLM2-135M (bundled) on llama.cpp, the task of docs/quality.md's torch table
+    "smollm2-llamacpp-fp16": LLAMACPP + SMOL_TASK,
+    "smollm2-llamacpp-int8": LLAMACPP + SMOL_TASK + ["--kv", "int8", "--no-baseline"],
+    "smollm2-llamacpp-int4": LLAMACPP + SMOL_TASK + ["--kv", "int4", "--no-baseline"],
+    # Gemma 3 270M (32K trained context) on llama.cpp: perplexity over 30K tokens per 2K segment,
+    # passkey at 4K / 16K / 30K
+    "gemma3-llamacpp-ppl-fp16": LLAMACPP + GEMMA_PPL,
+    "gemma3-llamacpp-ppl-int8": LLAMACPP + GEMMA_PPL + ["--kv", "int8", "--no-baseline"],
+    "gemma3-llamacpp-ppl-win": LLAMACPP + GEMMA_PPL + ["--kv", "fp16+sink4+win4096", "--no-baseline"],
+    "gemma3-llamacpp-needle-fp16": LLAMACPP + GEMMA_NEEDLE,
+    "gemma3-llamacpp-needle-int8": LLAMACPP + GEMMA_NEEDLE + ["--kv", "int8", "--no-baseline"],
+    "gemma3-llamacpp-needle-win": LLAMACPP + GEMMA_NEEDLE + ["--kv", "fp16+sink4+win4096", "--no-baseline"],
+}
+
+
+def command(name: str) -> list[str]:
+    return ["localctx", "eval", *COMMANDS[name], "--json"]
+
+
+def run(name: str) -> None:
+    out = DOCS / f"quality-{name}.json"
+    started = time.perf_counter()
+    result = subprocess.run(command(name), capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"{name}: localctx eval exited {result.returncode}: {result.stderr.strip()[-400:]}")
+    fd, tmp = tempfile.mkstemp(dir=DOCS, prefix=f".{out.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(result.stdout)
+    os.replace(tmp, out)
+    print(f"{name}: {out.relative_to(DOCS.parent)} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="which figures to regenerate")
+    ap.add_argument("--all", action="store_true", help="every figure, in order")
+    ap.add_argument("--list", action="store_true", help="print the names and their commands")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name in COMMANDS:
+            print(f"{name}: {' '.join(command(name))}")
+        return 0
+    names = list(COMMANDS) if args.all else args.names
+    unknown = [n for n in names if n not in COMMANDS]
+    if unknown or not names:
+        ap.error(f"unknown names {unknown}; see --list" if unknown else "give NAMEs, --all or --list")
+    for name in names:
+        run(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
