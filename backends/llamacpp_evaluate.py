@@ -27,6 +27,18 @@ from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 
 
+def next_token_nll(logits: np.ndarray, targets: Sequence[int], rows: int = 16) -> list[float]:
+    """−log softmax(logits[i])[targets[i]] per row, in float64, ``rows`` rows at a time (a 262K-token
+    vocabulary makes a whole batch of float64 rows hundreds of MB)."""
+    out: list[float] = []
+    for a in range(0, len(targets), rows):
+        block = logits[a:a + rows].astype(np.float64)
+        top = block.max(axis=1, keepdims=True)
+        log_z = top[:, 0] + np.log(np.exp(block - top).sum(axis=1))
+        out.extend((log_z - block[np.arange(len(block)), targets[a:a + rows]]).tolist())
+    return out
+
+
 class LlamaCppTokenizer:
     """llama.cpp's own tokenizer for the model (its vocabulary only, no weights): BOS as the GGUF
     asks, special tokens written in the text become their ids (as the torch tokenizer does)."""
@@ -127,11 +139,10 @@ class LlamaCppEvaluator:
         step = self._step(session, task.chunk)
         for start in range(0, n - 1, step):
             end = min(start + step, n - 1)
-            logits = self._decode(session, tokens[start:end], all_logits=True).astype(np.float64)
-            top = logits.max(axis=1, keepdims=True)
-            log_z = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-            target = np.asarray(tokens[start + 1:end + 1])
-            nll[start + 1:end + 1] = (log_z - logits[np.arange(end - start), target]).tolist()
+            scored = end >= max(1, task.score_from)  # a batch whose predictions are all unscored needs one row
+            logits = self._decode(session, tokens[start:end], all_logits=scored)
+            if scored:
+                nll[start + 1:end + 1] = next_token_nll(logits, tokens[start + 1:end + 1])
         held, in_cache, _ = session.kv_state()
         return perplexity_result(nll, task, held, in_cache, time.perf_counter() - started)
 

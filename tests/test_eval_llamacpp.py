@@ -117,3 +117,12 @@ def test_smollm2_streamed_perplexity_equals_one_batch(capsys):
     assert 1 < expected < 100  # a real model on English text
     assert abs(q8["perplexity"]["ppl"] / expected - 1) < 0.02
     assert full["needle"]["grid"][0]["hit"]  # the model finds a key 256 tokens back
+
+
+def test_score_from_scores_only_the_later_predictions(tiny, capsys):
+    data = run_eval(capsys, "-m", str(tiny), "--tokens", "200", "--chunk", "32", "--score-from", "150",
+                    "--no-needle")
+    ids = text_tokens(LlamaCppTokenizer(resolve(str(tiny))), 200)
+    expected = one_batch_nll(tiny, ids)[149:]  # predictions of tokens 150..199
+    ppl = data["policies"][0]["perplexity"]
+    assert ppl["scored"] == 50 and ppl["ppl"] == pytest.approx(math.exp(expected.mean()), rel=1e-5)
