@@ -22,11 +22,15 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 GEMMA3 = "/work/models/gemma-3-270m-it-Q4_K_M.gguf"
 LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
+TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
 SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle-depths", "0.1,0.5,0.9"]
 # cut to what a shared 2-core machine ran in an hour (docs/quality.md says what was cut): perplexity
 # over 8K tokens per 4K segment, passkey at 4K and 16K at depth 0.5
 GEMMA_TASK = ["-m", GEMMA3, "--tokens", "8192", "--segment", "4096", "--chunk", "256",
               "--needle-lengths", "4096,16384", "--needle-depths", "0.5"]
+GEMMA_PPL = ["-m", GEMMA3, "--tokens", "8192", "--segment", "4096", "--chunk", "256", "--no-needle"]
+GEMMA_NEEDLE = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-lengths", "4096,16384",
+                "--needle-depths", "0.5"]
 
 # name → the arguments of `localctx eval` (--json is added)
 COMMANDS: dict[str, list[str]] = {
@@ -38,6 +42,9 @@ COMMANDS: dict[str, list[str]] = {
     "gemma3-llamacpp-fp16": LLAMACPP + GEMMA_TASK,
     "gemma3-llamacpp-int8": LLAMACPP + GEMMA_TASK + ["--kv", "int8", "--no-baseline"],
     "gemma3-llamacpp-win4096": LLAMACPP + GEMMA_TASK + ["--kv", "fp16+sink4+win4096", "--no-baseline"],
+    # the same tasks on torch (one thread, TORCH_ENV), perplexity and passkey apart
+    "gemma3-torch-ppl-fp16": GEMMA_PPL,
+    "gemma3-torch-needle-fp16": GEMMA_NEEDLE,
 }
 
 
@@ -45,10 +52,15 @@ def command(name: str) -> list[str]:
     return ["localctx", "eval", *COMMANDS[name], "--json"]
 
 
+def environment(name: str) -> dict[str, str]:
+    """What the command runs with beyond the caller's environment (torch: one thread, on the CPU)."""
+    return {} if "--backend" in COMMANDS[name] else TORCH_ENV
+
+
 def run(name: str) -> None:
     out = DOCS / f"quality-{name}.json"
     started = time.perf_counter()
-    result = subprocess.run(command(name), capture_output=True, text=True)
+    result = subprocess.run(command(name), capture_output=True, text=True, env=os.environ | environment(name))
     if result.returncode != 0:
         sys.exit(f"{name}: localctx eval exited {result.returncode}: {result.stderr.strip()[-400:]}")
     fd, tmp = tempfile.mkstemp(dir=DOCS, prefix=f".{out.name}.")
@@ -66,7 +78,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.list:
         for name in COMMANDS:
-            print(f"{name}: {' '.join(command(name))}")
+            env = " ".join(f"{k}={v}" for k, v in environment(name).items())
+            print(f"{name}: {env + ' ' if env else ''}{' '.join(command(name))}")
         return 0
     names = list(COMMANDS) if args.all else args.names
     unknown = [n for n in names if n not in COMMANDS]
