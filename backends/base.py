@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence, Union
 
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
@@ -89,6 +90,7 @@ class GenerationEvent:
 @dataclass(frozen=True)
 class Capabilities:
     kv_bits: frozenset = frozenset({16})
+    split_kv: bool = False  # keys and values at different precisions (k8v4, kf16v4, ...)
     group_sizes: frozenset = frozenset({32, 64})
     residual: bool = False
     sinks_window: bool = False
@@ -108,9 +110,13 @@ class Capabilities:
     def refusals(self, policy: KVPolicy) -> list[str]:
         """Reasons this backend cannot run ``policy``; empty when it can."""
         out = []
-        if policy.bits not in self.kv_bits:
-            out.append(f"{policy.bits}-bit KV is not supported (supported: "
+        unsupported = sorted({policy.k_bits, policy.v_bits} - self.kv_bits, reverse=True)
+        if unsupported:
+            out.append(f"{' and '.join(f'{b}-bit' for b in unsupported)} KV is not supported (supported: "
                        + ", ".join("fp16" if b == 16 else f"int{b}" for b in sorted(self.kv_bits, reverse=True)) + ")")
+        elif policy.split and not self.split_kv:
+            out.append(f"keys and values at different precisions ({policy.precision}) are not supported; "
+                       f"use one precision for both (e.g. int{min(policy.k_bits, policy.v_bits)})")
         elif policy.quantized and policy.group_size not in self.group_sizes:
             out.append(f"group size {policy.group_size} is not supported")
         if policy.residual and not self.residual:
@@ -184,6 +190,12 @@ class Backend(ABC):
 
     def refusals(self, policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
         return self.capabilities().refusals(policy)
+
+    def describe_kv(self, policy: KVPolicy) -> str:
+        """What this backend's KV cache holds for ``policy``, in words, starting "exact: " or "lossy: "
+        (what ``plan``, ``run --json``, the chat panel and serve's /v1/models show). The default is
+        the policy cache's layout (kvcache/eviction.py), which the torch and MLX backends run."""
+        return policy_cache_layout(policy)
 
     def kv_allocation(self):
         """``(spec, policy, context) -> bytes`` where this backend's KV allocation differs from the cost
@@ -259,7 +271,7 @@ def windowed_policy_for(plan: Plan, spec: ModelSpec) -> KVPolicy | None:
     window = max(1, min(plan.context, spec.context_length) // 2)
     cls = registry.backend_class(plan.backend) if plan.backend in registry.names() else None
     for bits in (8, 16):
-        policy = KVPolicy(bits=bits, sinks=4, window=window)
+        policy = KVPolicy(k_bits=bits, v_bits=bits, sinks=4, window=window)
         if cls is None or not cls().refusals(policy, spec):
             return policy
     return None

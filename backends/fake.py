@@ -106,7 +106,7 @@ class FakeBackend(Backend):
         self.delay = float(os.environ.get("LOCALCTX_FAKE_DELAY", "0")) if delay is None else delay
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), residual=True, sinks_window=True, heavy=True,
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), split_kv=True, residual=True, sinks_window=True, heavy=True,
                             batch=True)
 
     def load(self, model, plan: Plan) -> FakeSession:

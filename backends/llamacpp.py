@@ -319,7 +319,7 @@ class LlamaCppBackend(Backend):
         return problem.line() if problem else None
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32}), sinks_window=True,
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), split_kv=True, group_sizes=frozenset({32}), sinks_window=True,
                             batch=True,
                             notes=("quantized KV uses llama.cpp's q8_0 / q4_0 with flash attention",
                                    "sinks + window run through llama.cpp's context shift, with fp16 KV",
@@ -327,6 +327,9 @@ class LlamaCppBackend(Backend):
 
     def refusals(self, policy: KVPolicy, spec=None) -> list[str]:
         return self.capabilities().refusals(policy) + llamacpp_shift.refusals(policy, spec)
+
+    def describe_kv(self, policy: KVPolicy) -> str:
+        return llamacpp_shift.describe(policy)
 
     def kv_allocation(self):
         """llama.cpp's own allocation (llamacpp_alloc): cells padded to 256, compact sliding layers."""

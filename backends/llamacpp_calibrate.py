@@ -110,7 +110,7 @@ def _fit(spec, ref, hw, probes: list[_Probe], prefill_rates: list[float], thread
     lines = []
     for fmt, type_name, fa in VARIANTS:
         mine = [p for p in probes if (p.fmt, p.type_name, p.flash_attn) == (fmt, type_name, fa)]
-        policy = KVPolicy(bits={"fp16": 16, "int8": 8, "int4": 4}[fmt])
+        policy = KVPolicy.parse(fmt)
         points = [(p.n, cost.kv_bytes(spec, policy, p.n), statistics.median(p.samples)) for p in mine]
         fc = FormatCost.fit(points, settings={"type": type_name, "flash_attn": fa})
         lines.append(f"{type_name} fa={'on' if fa else 'off'}: "

@@ -10,13 +10,15 @@ attention therefore sees the sinks plus the last ``window − shift_chunk`` to `
 
 What llama.cpp cannot do is refused up front: quantized V needs flash attention (so quantized
 formats always run with it), and shifting a quantized K cache dequantises, rotates and
-requantises every cached key at each shift, compounding the error — windowed plans keep fp16 KV."""
+requantises every cached key at each shift, compounding the error — windowed plans keep fp16
+keys. The shift moves only K (values carry no position), so a quantized V streams through it
+unchanged: kf16v8 / kf16v4 with a window are allowed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterator
 
-from localctx.backends.llamacpp_alloc import LlamaCppCache
+from localctx.backends.llamacpp_alloc import CELL_PAD, LlamaCppCache
 from localctx.kvcache import calibration
 from localctx.kvcache.calibration import Calibration
 from localctx.kvcache.plan import Plan
@@ -24,6 +26,30 @@ from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
 
 KV_TYPES = {16: "f16", 8: "q8_0", 4: "q4_0"}  # llama.cpp's formats for our precisions (blocks of 32)
+
+
+def cache_types(policy: KVPolicy) -> tuple[str, str]:
+    """llama.cpp's (type_k, type_v) for ``policy``: each side's precision on its own."""
+    return KV_TYPES[policy.k_bits], KV_TYPES[policy.v_bits]
+
+
+def describe(policy: KVPolicy) -> str:
+    """What llama.cpp's cache holds for ``policy``, in words: its ggml types, K and V apart; q8_0 /
+    q4_0 quantize every token in blocks of 32 along the head dimension with one fp16 scale a block
+    (no full-precision head group or residual, no per-channel key groups); cells padded to 256."""
+    type_k, type_v = cache_types(policy)
+    sides = f"{type_k} keys and values" if type_k == type_v else f"{type_k} keys, {type_v} values"
+    quantized = sorted({t for t in (type_k, type_v) if t != "f16"}, reverse=True)
+    if quantized:
+        bits = " and ".join(f"{t[1]}-bit" for t in quantized)
+        sides += (f" ({bits} blocks of 32 along the head dimension, one fp16 scale a block, for every token; "
+                  "no full-precision head or residual, no per-channel key groups)")
+    what = [sides, f"cache padded to a multiple of {CELL_PAD} cells"]
+    if policy.evicts:
+        chunk = shift_chunk(policy.window)
+        what.append(f"keeps first {policy.sinks} + last {policy.window - chunk}–{policy.window} tokens "
+                    f"(llama.cpp's context shift evicts {chunk} at a time)")
+    return ("exact: " if policy.exact else "lossy: ") + "; ".join(what)
 SHIFT_CHUNK_MAX = 256
 N_BATCH = 512
 
@@ -57,9 +83,10 @@ class LlamaCppSettings:
 def refusals(policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
     """What llama.cpp cannot do with ``policy`` beyond its Capabilities (reasons, empty if none)."""
     out = []
-    if policy.evicts and policy.quantized:
+    if policy.evicts and policy.k_bits < 16:
         out.append("its context shift would dequantise, re-rotate and requantise the quantized K cache at every "
-                   "shift, compounding the error; use fp16 KV with a window (e.g. fp16+sink4+win4096)")
+                   "shift, compounding the error; keep keys at fp16 with a window (e.g. kf16v8+sink4+win4096 or "
+                   "fp16+sink4+win4096)")
     if policy.evicts and spec is not None and any(not layer.holds_kv for layer in spec.attention()):
         out.append(f"{spec.name} has recurrent layers, whose state cannot drop old tokens, so llama.cpp "
                    "cannot shift its context; use full-precision or quantized KV without a window")
@@ -70,9 +97,10 @@ def refusals(policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
     return out
 
 
-def flash_attn_for(bits: int, cal: Calibration | None) -> bool:
-    """Quantized V needs flash attention; for fp16 use what the calibration measured faster (default off)."""
-    if bits < 16:
+def flash_attn_for(policy: KVPolicy, cal: Calibration | None) -> bool:
+    """Quantized V needs flash attention, and quantized K runs with it as calibrated; for fp16 use
+    what the calibration measured faster (default off)."""
+    if policy.quantized:
         return True
     fc = cal.cost("fp16") if cal is not None else None
     return bool(fc.settings.get("flash_attn", False)) if fc is not None else False
@@ -91,13 +119,13 @@ def settings_for(plan: Plan, cal: Calibration | None = None) -> LlamaCppSettings
 def settings_for_policy(policy: KVPolicy, context: int, cal: Calibration | None = None) -> LlamaCppSettings:
     """n_ctx and the KV types for ``policy``; sliding layers get the compact SWA cache unless the
     policy streams through a context shift (which a compact SWA cache cannot do)."""
-    kv = KV_TYPES[policy.bits]
-    fa = flash_attn_for(policy.bits, cal)
+    type_k, type_v = cache_types(policy)
+    fa = flash_attn_for(policy, cal)
     if policy.evicts:
         n_ctx = policy.capacity()
-        return LlamaCppSettings(n_ctx=n_ctx, type_k=kv, type_v=kv, flash_attn=fa, sinks=policy.sinks,
+        return LlamaCppSettings(n_ctx=n_ctx, type_k=type_k, type_v=type_v, flash_attn=fa, sinks=policy.sinks,
                                 window=policy.window, shift_chunk=shift_chunk(policy.window), swa_full=True)
-    return LlamaCppSettings(n_ctx=context, type_k=kv, type_v=kv, flash_attn=fa)
+    return LlamaCppSettings(n_ctx=context, type_k=type_k, type_v=type_v, flash_attn=fa)
 
 
 class ContextShift:

@@ -46,7 +46,8 @@ def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ..
             for r in baseline.refusals(policy)]), note
     backend: Backend = cls()
     backend.check_model(spec)
-    return BackendView(name, lambda policy: backend.refusals(policy, spec), backend.kv_allocation()), ()
+    return BackendView(name, lambda policy: backend.refusals(policy, spec), backend.kv_allocation(),
+                       backend.describe_kv), ()
 
 
 def calibration_name(name: str, hw: HardwareProfile) -> str:
@@ -106,10 +107,11 @@ def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: Pla
                         f"{cost.format_bytes(max(b.kv, 0))} is free for it ({b.describe()}); lower --context, "
                         "or choose a quantized or windowed --kv (or omit --kv to let localctx plan)")
     tok_s = ctx.speed.worst_decode_tok_s(spec, policy, context)
-    return Plan(backend=ctx.backend.name, policy=policy, context=context, kv_bytes=need,
+    layout = ctx.backend.describe(policy)
+    return Plan(backend=ctx.backend.name, policy=policy, context=context, kv_bytes=need, kv_layout=layout,
                 weight_bytes=spec.weight_bytes, decode_tok_s=tok_s,
                 prefill_tok_s=ctx.speed.prefill_tok_s(spec, min(context, 4096)), hardware=ctx.hardware.name,
-                reasons=[f"KV policy {policy} from --kv ({policy.describe()})", b.describe(),
+                reasons=[f"KV policy {policy} from --kv ({layout})", b.describe(),
                          f"decode ≈ {tok_s:.0f} tok/s at {context:,} tokens ({ctx.speed.basis(policy)})",
                          f"KV {cost.format_bytes(need)} at {context:,} tokens" + layout_note(spec, policy)]
                 + [f"assumed: {a}" for a in spec.assumptions])

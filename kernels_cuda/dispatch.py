@@ -62,7 +62,9 @@ def policy_attention(device: torch.device | str) -> Callable:
     kernel = _kernels("quant_attention").attend
 
     def attend(q, q_positions, full, quant, rope, *, scale=None, want_mass=False):
-        run = kernel if kernel_supports(q.shape[-1]) else attend_reference
+        # the kernel reads one precision for keys and values: a split (k8v4, kf16v4) runs the reference
+        one_precision = quant is None or quant.uniform_bits is not None
+        run = kernel if kernel_supports(q.shape[-1]) and one_precision else attend_reference
         return run(q, q_positions, full, quant, rope, scale=scale, want_mass=want_mass)
 
     return attend

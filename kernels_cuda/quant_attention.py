@@ -57,7 +57,10 @@ def attend(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: 
            rope: RotaryWithFrequencies, *, scale: float | None = None, want_mass: bool = False,
            config: LaunchConfig = LaunchConfig()) -> AttentionResult:
     """Same contract as ``attend_reference`` (see kvcache/quant_attention.py); ``config`` only
-    tunes the launch (split count, tile size)."""
+    tunes the launch (split count, tile size). The kernel reads one precision for keys and values:
+    a split policy's groups (k8v4, kf16v4) go to the reference."""
+    if quant is not None and quant.n_groups and quant.uniform_bits is None:
+        return attend_reference(q, q_positions, full, quant, rope, scale=scale, want_mass=want_mass)
     T, Hq, D = q.shape
     qr = rope.rotate(q.unsqueeze(0), q_positions.unsqueeze(0))
     seg_full = _full_segment(full, q.dtype)

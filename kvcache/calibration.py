@@ -32,12 +32,8 @@ from localctx.kvcache.hardware import cache_dir
 
 # a format's cost in the backend's default cache; "fp16-windowed": fp16 in the cache a windowed
 # policy uses, where a backend's differs (torch keeps windowed keys before RoPE and rotates them per step)
-FORMATS = ("fp16", "int8", "int4", "fp16-windowed")
+FORMATS = ("fp16", "int8", "int4", "k8v4", "kf16v8", "kf16v4", "fp16-windowed")
 WINDOWED = "-windowed"
-
-
-def format_of(bits: int) -> str:
-    return "fp16" if bits == 16 else f"int{bits}"
 
 
 @dataclass(frozen=True)
@@ -116,9 +112,9 @@ class Calibration:
     def cost(self, fmt: str) -> FormatCost | None:
         return self.formats.get(fmt)
 
-    def cost_for(self, bits: int, windowed: bool) -> FormatCost | None:
-        """The cost of a policy's format; a windowed policy's own cache cost where one was measured."""
-        fmt = format_of(bits)
+    def cost_for(self, fmt: str, windowed: bool) -> FormatCost | None:
+        """The cost of a policy's format (its precision token: fp16, int8, k8v4, ...); a windowed
+        policy's own cache cost where one was measured."""
         return (self.formats.get(fmt + WINDOWED) if windowed else None) or self.formats.get(fmt)
 
     def slowdown_vs_fp16(self, fmt: str, kv_tokens: int, bytes_per_token: dict[str, int]) -> float | None:

@@ -35,15 +35,24 @@ def layer_full_bytes(layer: LayerAttention, elem_bytes: int) -> int:
     return (layer.k_width + layer.v_width) * elem_bytes
 
 
-def layer_quant_bytes(layer: LayerAttention, bits: int, group_size: int) -> int:
+def side_quant_bytes(width: int, bits: int, group_size: int, elem_bytes: int) -> int:
+    """Bytes one token of a quantized group takes on one side (K or V) of a layer ``width`` wide:
+    at 16 bits the side stays in the model's precision (``elem_bytes``), with no scales."""
+    if bits == 16:
+        return width * elem_bytes
+    return width * bits // 8 + (width // group_size) * 2 * SCALE_BYTES
+
+
+def layer_quant_bytes(layer: LayerAttention, k_bits: int, v_bits: int, group_size: int, elem_bytes: int) -> int:
     """Packed payload plus the fp16 scale+min of each group, amortised over the group's tokens.
 
     Keys are grouped per channel over ``group_size`` tokens (one scale+min per channel per
     group) and values per token over ``group_size`` channels (one scale+min per token per
-    channel group); either way ``group_size`` elements carry one scale and one min. Exact for
-    head dims that are a multiple of the group size (the cache refuses the others)."""
-    elems = layer.k_width + layer.v_width
-    return elems * bits // 8 + (elems // group_size) * 2 * SCALE_BYTES
+    channel group); either way ``group_size`` elements carry one scale and one min. A side at 16
+    bits (kf16v4: keys) is held in the model's precision inside the group. Exact for head dims
+    that are a multiple of the group size (the cache refuses the others)."""
+    return (side_quant_bytes(layer.k_width, k_bits, group_size, elem_bytes)
+            + side_quant_bytes(layer.v_width, v_bits, group_size, elem_bytes))
 
 
 def kv_elements_per_token(spec: ModelSpec) -> int:
@@ -55,14 +64,15 @@ def full_bytes_per_token(spec: ModelSpec, elem_bytes: int | None = None) -> int:
     return kv_elements_per_token(spec) * (elem_bytes or spec.kv_elem_bytes)
 
 
-def quant_bytes_per_token(spec: ModelSpec, bits: int, group_size: int) -> int:
-    return sum(layer_quant_bytes(layer, bits, group_size) * count for layer, count in spec.layer_groups())
+def quant_bytes_per_token(spec: ModelSpec, k_bits: int, v_bits: int, group_size: int) -> int:
+    return sum(layer_quant_bytes(layer, k_bits, v_bits, group_size, spec.kv_elem_bytes) * count
+               for layer, count in spec.layer_groups())
 
 
 def kv_bytes_per_token(spec: ModelSpec, policy: KVPolicy) -> int:
     """Steady-state bytes per cached token in every layer (quantized tokens; the residual is a fixed extra)."""
     if policy.quantized:
-        return quant_bytes_per_token(spec, policy.bits, policy.group_size)
+        return quant_bytes_per_token(spec, policy.k_bits, policy.v_bits, policy.group_size)
     return full_bytes_per_token(spec)
 
 
@@ -96,7 +106,7 @@ def kv_bytes(spec: ModelSpec, policy: KVPolicy, n_tokens: int) -> int:
         if lp is None:
             continue
         quantized, full = split_tokens(lp, n_tokens)
-        q_bytes = layer_quant_bytes(layer, lp.bits, lp.group_size) * quantized if quantized else 0
+        q_bytes = layer_quant_bytes(layer, lp.k_bits, lp.v_bits, lp.group_size, spec.kv_elem_bytes) * quantized
         total += count * (q_bytes + layer_full_bytes(layer, spec.kv_elem_bytes) * full)
     return total
 

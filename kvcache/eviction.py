@@ -34,7 +34,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, precision_words
+
+
+def policy_cache_layout(policy: KVPolicy) -> str:
+    """What a policy cache (torch, MLX) holds for ``policy``, in words: exact or lossy, each side's
+    precision, its groups and the tokens kept at full precision (the head group, the residual), and
+    which tokens a window keeps. Other engines describe their own cache (``Backend.describe_kv``)."""
+    kind = "exact" if policy.exact else "lossy"
+    what = []
+    if policy.quantized:
+        exact_ends = [] if policy.evicts else [f"first {policy.group_size}"]  # the head group (rule 2)
+        exact_ends += [f"last {policy.residual}"] if policy.residual else []
+        what.append(f"{precision_words(policy.k_bits, policy.v_bits)} (groups of {policy.group_size}"
+                    + (f", {' and '.join(exact_ends)} tokens full precision)" if exact_ends else ")"))
+    else:
+        what.append("full-precision KV")
+    if policy.evicts:
+        what.append(f"keeps first {policy.sinks} + last {policy.window}"
+                    + (f" + {policy.heavy} heavy hitters" if policy.heavy else "") + " tokens")
+    return f"{kind}: " + ", ".join(what)
 
 
 def quantizes(policy: KVPolicy) -> bool:

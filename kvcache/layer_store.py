@@ -139,21 +139,30 @@ class LayerStore:
         self.window_only = policy.window is not None and not quantizes and heavy_units == 0
         self.main_start = policy.sinks
         self._main_start_mark: int | None = None  # main_start at the last checkpoint
-        H, D, g, b = n_kv_heads, head_dim, policy.group_size, policy.bits
+        H, D, g = n_kv_heads, head_dim, policy.group_size
         self.full_k = Rows((H, D), dtype, device)  # [N, H, D] before RoPE
         self.full_v = Rows((H, D), dtype, device)
         # stream index and attention mass per full token; a plain window needs neither
         self.full_idx = None if self.window_only else Rows((), torch.long, device)
         self.full_mass = None if self.window_only else Rows((), torch.float32, device)
         self._full_rows = [r for r in (self.full_k, self.full_v, self.full_idx, self.full_mass) if r is not None]
+        # the quantized groups, each side at its own precision: codes + scale + min, or (a side at
+        # 16 bits, e.g. kf16v4's keys) the group's rows as they are
+        self._payload: dict[str, Rows] = {}
         if quantizes:
-            packed = D * b // 8
-            self.qk_codes = Rows((H, g, packed), torch.uint8, device)
-            self.qk_scale = Rows((H, 1, D), quant.SCALE_DTYPE, device)
-            self.qk_min = Rows((H, 1, D), quant.SCALE_DTYPE, device)
-            self.qv_codes = Rows((H, g, packed), torch.uint8, device)
-            self.qv_scale = Rows((H, g, D // g), quant.SCALE_DTYPE, device)
-            self.qv_min = Rows((H, g, D // g), quant.SCALE_DTYPE, device)
+            k_bits, v_bits = policy.k_bits, policy.v_bits
+            if k_bits < 16:
+                self._payload.update(qk_codes=Rows((H, g, D * k_bits // 8), torch.uint8, device),
+                                     qk_scale=Rows((H, 1, D), quant.SCALE_DTYPE, device),
+                                     qk_min=Rows((H, 1, D), quant.SCALE_DTYPE, device))
+            else:
+                self._payload["qk_full"] = Rows((H, g, D), dtype, device)
+            if v_bits < 16:
+                self._payload.update(qv_codes=Rows((H, g, D * v_bits // 8), torch.uint8, device),
+                                     qv_scale=Rows((H, g, D // g), quant.SCALE_DTYPE, device),
+                                     qv_min=Rows((H, g, D // g), quant.SCALE_DTYPE, device))
+            else:
+                self._payload["qv_full"] = Rows((H, g, D), dtype, device)
             self.q_idx = Rows((g,), torch.long, device)
             self.q_mass = Rows((g,), torch.float32, device)
 
@@ -184,15 +193,15 @@ class LayerStore:
     def _quant_rows(self) -> list[Rows]:
         if not self.quantizes:
             return []
-        return [self.qk_codes, self.qk_scale, self.qk_min, self.qv_codes, self.qv_scale, self.qv_min,
-                self.q_idx, self.q_mass]
+        return [*self._payload.values(), self.q_idx, self.q_mass]
 
     def rows(self) -> dict[str, Rows]:
         """Every row store this layer keeps, by name (what a prompt-cache file holds)."""
         names = ["full_k", "full_v"] + ([] if self.window_only else ["full_idx", "full_mass"])
+        out = {name: getattr(self, name) for name in names}
         if self.quantizes:
-            names += ["qk_codes", "qk_scale", "qk_min", "qv_codes", "qv_scale", "qv_min", "q_idx", "q_mass"]
-        return {name: getattr(self, name) for name in names}
+            out.update(self._payload, q_idx=self.q_idx, q_mass=self.q_mass)
+        return out
 
     @property
     def n_groups(self) -> int:
@@ -204,10 +213,7 @@ class LayerStore:
 
     @property
     def nbytes(self) -> int:
-        payload = [self.full_k, self.full_v]
-        if self.quantizes:
-            payload += [self.qk_codes, self.qk_scale, self.qk_min, self.qv_codes, self.qv_scale, self.qv_min]
-        return sum(r.nbytes for r in payload)
+        return sum(r.nbytes for r in [self.full_k, self.full_v, *self._payload.values()])
 
     def stream_indices(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stream index of every held full token [N] and group token [G, g]."""
@@ -240,11 +246,17 @@ class LayerStore:
         full = FullTokens(self.full_k.view.transpose(0, 1), self.full_v.view.transpose(0, 1), full_pos)
         groups = None
         if self.n_groups:
-            groups = QuantGroups(
-                quant.QuantizedTensor(self.qk_codes.view, self.qk_scale.view, self.qk_min.view, self.policy.bits),
-                quant.QuantizedTensor(self.qv_codes.view, self.qv_scale.view, self.qv_min.view, self.policy.bits),
-                q_pos, self.policy.group_size)
+            groups = QuantGroups(self._side("qk"), self._side("qv"), q_pos, self.policy.group_size)
         return full, groups, full_pos[-n_new:]
+
+    def _side(self, name: str) -> quant.QuantizedTensor | quant.FullGroups:
+        """One side of the quantized groups as attention reads it ("qk": keys, "qv": values)."""
+        rows = self._payload
+        if name + "_full" in rows:
+            return quant.FullGroups(rows[name + "_full"].view)
+        bits = self.policy.k_bits if name == "qk" else self.policy.v_bits
+        return quant.QuantizedTensor(rows[name + "_codes"].view, rows[name + "_scale"].view,
+                                     rows[name + "_min"].view, bits)
 
     # -- around attention: append the step's tokens, accumulate mass, age, evict ------------------
     def append(self, k: torch.Tensor, v: torch.Tensor, first_index: int) -> None:
@@ -284,18 +296,27 @@ class LayerStore:
         H, D = self.full_k.buf.shape[1:]
         k = self.full_k.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
         v = self.full_v.view[take].reshape(n_groups, g, H, D).transpose(1, 2)
-        if self.quantize_groups is not None:  # one batched call (a fused kernel on CUDA)
-            qk, qv = self.quantize_groups(k, v, p.bits, g)
-        else:  # all the aged groups at once
-            qk = quant.quantize_keys(k, p.bits)
-            qv = quant.quantize_values(v, p.bits, g)
-        self.qk_codes.append(qk.codes); self.qk_scale.append(qk.scale); self.qk_min.append(qk.min)
-        self.qv_codes.append(qv.codes); self.qv_scale.append(qv.scale); self.qv_min.append(qv.min)
+        if self.quantize_groups is not None and not p.split:  # one batched call (a fused kernel on CUDA)
+            qk, qv = self.quantize_groups(k, v, p.k_bits, g)
+        else:  # all the aged groups at once, each side at its own precision
+            qk = quant.quantize_keys(k, p.k_bits) if p.k_bits < 16 else quant.FullGroups(k)
+            qv = quant.quantize_values(v, p.v_bits, g) if p.v_bits < 16 else quant.FullGroups(v)
+        self._append_side("qk", qk)
+        self._append_side("qv", qv)
         self.q_idx.append(self.full_idx.view[take].reshape(n_groups, g))
         self.q_mass.append(self.full_mass.view[take].reshape(n_groups, g))
         keep = torch.ones(self.full_idx.n, dtype=torch.bool, device=idx.device)
         keep[take] = False
         self.keep_full(keep)
+
+    def _append_side(self, name: str, side: quant.QuantizedTensor | quant.FullGroups) -> None:
+        rows = self._payload
+        if side.bits == 16:
+            rows[name + "_full"].append(side.data)
+        else:
+            rows[name + "_codes"].append(side.codes)
+            rows[name + "_scale"].append(side.scale)
+            rows[name + "_min"].append(side.min)
 
     def evict(self, n_seen: int) -> None:
         """Drop units outside the window that are not among the heaviest (rules 3 and 4)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from localctx.kvcache import cost
+from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.spec import ModelSpec
 
@@ -27,6 +28,7 @@ class Plan:
     hardware: str = ""
     reasons: list[str] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    kv_layout: str = ""  # what the backend's cache holds for ``policy``, in words (Backend.describe_kv)
 
     @property
     def exact(self) -> bool:
@@ -38,16 +40,18 @@ class Plan:
 
     @classmethod
     def fixed(cls, backend: str, spec: ModelSpec, policy: KVPolicy, context: int | None = None,
-              reason: str = "") -> "Plan":
-        """A plan that takes the policy as given (``--kv`` or a test), with the cost model's projection."""
+              reason: str = "", kv_layout: str | None = None) -> "Plan":
+        """A plan that takes the policy as given (``--kv`` or a test), with the cost model's projection;
+        ``kv_layout`` defaults to the policy cache's (kvcache/eviction.py)."""
         ctx = context or spec.context_length
         return cls(backend=backend, policy=policy, context=ctx,
                    kv_bytes=cost.max_kv_bytes(spec, policy, ctx), weight_bytes=spec.weight_bytes,
-                   reasons=[reason or f"KV policy {policy} as requested"])
+                   reasons=[reason or f"KV policy {policy} as requested"],
+                   kv_layout=policy_cache_layout(policy) if kv_layout is None else kv_layout)
 
     def to_dict(self) -> dict:
         return {
-            "backend": self.backend, "policy": str(self.policy), "exact": self.exact,
+            "backend": self.backend, "policy": str(self.policy), "exact": self.exact, "kv_layout": self.kv_layout,
             "context": self.context, "kv_bytes": self.kv_bytes, "weight_bytes": self.weight_bytes,
             "memory_bytes": self.memory_bytes, "decode_tok_s": self.decode_tok_s,
             "prefill_tok_s": self.prefill_tok_s, "hardware": self.hardware, "reasons": list(self.reasons),

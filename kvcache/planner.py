@@ -14,9 +14,10 @@ from typing import Callable
 from localctx.kvcache import cost
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.hardware import HardwareProfile, MiB
 from localctx.kvcache.plan import Plan, Rejected
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, uniform
 from localctx.kvcache.spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
 
@@ -49,10 +50,12 @@ class PlanRequest:
 class BackendView:
     """What the planner needs from a backend, without importing one (kvcache must not). ``allocated``
     is the backend's own KV allocation for (spec, policy, context) where it differs from the cost
-    model's peak (llama.cpp pads cells and sizes sliding layers its own way); None: the cost model's."""
+    model's peak (llama.cpp pads cells and sizes sliding layers its own way); None: the cost model's.
+    ``describe`` says what the backend's cache holds for a policy (``Backend.describe_kv``)."""
     name: str
     refusals: Callable[[KVPolicy], list[str]]
     allocated: Callable[[ModelSpec, KVPolicy, int], int] | None = None
+    describe: Callable[[KVPolicy], str] = policy_cache_layout
 
     def kv_bytes(self, spec: ModelSpec, policy: KVPolicy, context: int) -> int:
         """Peak KV bytes of ``policy`` over ``context`` tokens, as this backend holds them."""
@@ -122,12 +125,12 @@ def budget(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Back
 
 
 def exact_candidates() -> list[KVPolicy]:
-    return [KVPolicy(bits=16), KVPolicy(bits=8), KVPolicy(bits=4, residual=RESIDUAL), KVPolicy(bits=4)]
+    return [KVPolicy(), uniform(8), uniform(4, residual=RESIDUAL), uniform(4)]
 
 
 def lossy_templates(heavy: bool) -> list[KVPolicy]:
     """Windowed shapes in order of fidelity; the window is sized per candidate (placeholder 1024 here)."""
-    out = [KVPolicy(bits=b, residual=r, sinks=SINKS, window=1024)
+    out = [uniform(b, residual=r, sinks=SINKS, window=1024)
            for b, r in ((16, 0), (8, 0), (4, RESIDUAL), (4, 0))]
     if heavy:
         out += [replace(p, heavy=256) for p in out]
@@ -159,7 +162,7 @@ class _Search:
             self.reject(policy, f"{self.backend.name} cannot: " + "; ".join(refused))
             return False
         if self.req.exact and not policy.exact:
-            self.reject(policy, f"--exact allows full-precision KV only ({policy.describe()})")
+            self.reject(policy, f"--exact allows full-precision KV only ({self.backend.describe(policy)})")
             return False
         if self.context > self.spec.context_length:
             self.reject(policy, f"holds all {self.context:,} tokens, past the {self.spec.context_length:,} "
@@ -268,7 +271,7 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
 def _why_exact(policy: KVPolicy, s: _Search) -> str:
     if policy.exact:
         return f"exact: full-precision KV for all {s.context:,} tokens fits"
-    return f"{policy.describe()}: the most precise format that fits {s.context:,} tokens"
+    return f"{s.backend.describe(policy)}: the most precise format that fits {s.context:,} tokens"
 
 
 def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
@@ -283,7 +286,7 @@ def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
     reasons.extend(f"assumed: {a}" for a in spec.assumptions)
     return Plan(backend=s.backend.name, policy=policy, context=ctx, kv_bytes=kv, weight_bytes=spec.weight_bytes,
                 decode_tok_s=tok_s, prefill_tok_s=s.speed.prefill_tok_s(spec, min(ctx, 4096)),
-                hardware=s.hw.name, reasons=reasons, rejected=s.rejected)
+                hardware=s.hw.name, reasons=reasons, rejected=s.rejected, kv_layout=s.backend.describe(policy))
 
 
 def layout_note(spec: ModelSpec, policy: KVPolicy) -> str:
@@ -318,8 +321,9 @@ def _target_cost(s: _Search, policy: KVPolicy) -> str:
     given_up = []
     if free.policy.exact and not policy.exact:
         given_up.append("exactness")
-    if free.policy.bits > policy.bits:
-        given_up.append(f"precision ({free.policy.bits}-bit → {policy.bits}-bit KV)")
+    if (free.policy.k_bits, free.policy.v_bits) != (policy.k_bits, policy.v_bits) and \
+            free.policy.k_bits + free.policy.v_bits > policy.k_bits + policy.v_bits:
+        given_up.append(f"precision ({free.policy.precision} → {policy.precision} KV)")
     kept_before, kept_now = free.policy.capacity(), policy.capacity()
     if kept_now is not None and (kept_before is None or kept_now < kept_before):
         before = "the whole context" if kept_before is None else f"{kept_before:,}"

@@ -224,7 +224,8 @@ class PolicyKVCache:
         if names != set(tensors) - {"n_seen"}:
             raise ValueError(f"the tensors {sorted(set(tensors) - {'n_seen'})} are not this policy's {sorted(names)}")
         n_full = tensors["full_k"].shape[1]
-        n_groups = tensors["qk_codes"].shape[1] if "qk_codes" in tensors else 0
+        group_rows = next((name for name in ("qk_codes", "qk_full") if name in tensors), None)
+        n_groups = tensors[group_rows].shape[1] if group_rows else 0
         implied = {} if self.heavy_units else self._implied_rows(n_seen, n_full, n_groups)
         for i, layer in enumerate(layers):
             for name, rows in layer.rows().items():

@@ -17,6 +17,9 @@ Layout of one quantized group of ``g`` tokens (one layer, one sequence; H = KV h
 
 4-bit codes are packed two to a byte along the channel axis: channel 2i in the low nibble,
 channel 2i+1 in the high nibble. 8-bit codes are one byte each. Keys are quantized before RoPE.
+
+Keys and values each have their own bits (a policy such as ``k8v4``); a side at 16 bits
+(``kf16v4``'s keys) is held as the group's rows in the model's dtype (``FullGroups``), no scales.
 """
 from __future__ import annotations
 
@@ -41,6 +44,18 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min))
+
+
+@dataclass(frozen=True)
+class FullGroups:
+    """One side of quantized groups held at full precision (kf16v4's keys): ``data`` [..., H, g, D]
+    in the model's dtype, no scales."""
+    data: torch.Tensor
+    bits: int = 16
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
 
 
 def check_bits(bits: int) -> None:

@@ -15,7 +15,9 @@ One call covers one layer of one sequence. Its inputs:
   fp16 [G, Hkv, 1, D] (per channel over the group's tokens); values ``v.codes`` uint8
   [G, Hkv, g, D*bits/8], ``v.scale``/``v.min`` fp16 [G, Hkv, g, D/g] (per token over g
   channels); ``positions`` [G, g] in-cache positions. 4-bit codes: two per byte, even channel
-  in the low nibble.
+  in the low nibble. Keys and values may differ in bits (k8v4), and a side at 16 bits (kf16v4's
+  keys) is a ``FullGroups`` [G, Hkv, g, D] in the model's dtype; a kernel that takes one
+  precision for both sides serves only ``QuantGroups.uniform_bits``.
 - ``rope``: the model's rotary embedding (``rotate(x [B,T,H,D], positions [B,T])``). Every key
   is rotated at its in-cache position here, every query at its own: positions are re-indexed
   inside the cache, so eviction never touches stored keys.
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from localctx.kvcache.quant import QuantizedTensor, dequantize_keys, dequantize_values
+from localctx.kvcache.quant import FullGroups, QuantizedTensor, dequantize_keys, dequantize_values
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,20 @@ class FullTokens:
 
 @dataclass(frozen=True)
 class QuantGroups:
-    k: QuantizedTensor  # codes [G, Hkv, g, D*bits/8], scale/min [G, Hkv, 1, D]
-    v: QuantizedTensor  # codes [G, Hkv, g, D*bits/8], scale/min [G, Hkv, g, D/g]
+    k: QuantizedTensor | FullGroups  # codes [G, Hkv, g, D*bits/8], scale/min [G, Hkv, 1, D]
+    v: QuantizedTensor | FullGroups  # codes [G, Hkv, g, D*bits/8], scale/min [G, Hkv, g, D/g]
     positions: torch.Tensor  # [G, g] long
     group_size: int
 
     @property
     def n_groups(self) -> int:
         return self.positions.shape[0]
+
+    @property
+    def uniform_bits(self) -> int | None:
+        """The bits of both sides when keys and values are quantized alike (what a fused kernel
+        takes); None for a split (k8v4, kf16v4), which only the reference serves."""
+        return self.k.bits if self.k.bits == self.v.bits < 16 else None
 
 
 @dataclass(frozen=True)
@@ -74,8 +82,10 @@ def gather_keys_values(full: FullTokens, quant: QuantGroups | None, dtype: torch
         return full.k.to(dtype), full.v.to(dtype), full.positions
     G, H, g = quant.positions.shape[0], full.k.shape[0], quant.group_size
     D = full.k.shape[-1]
-    kq = dequantize_keys(quant.k, dtype).permute(1, 0, 2, 3).reshape(H, G * g, D)
-    vq = dequantize_values(quant.v, g, dtype).permute(1, 0, 2, 3).reshape(H, G * g, D)
+    kq = quant.k.data.to(dtype) if quant.k.bits == 16 else dequantize_keys(quant.k, dtype)
+    vq = quant.v.data.to(dtype) if quant.v.bits == 16 else dequantize_values(quant.v, g, dtype)
+    kq = kq.permute(1, 0, 2, 3).reshape(H, G * g, D)
+    vq = vq.permute(1, 0, 2, 3).reshape(H, G * g, D)
     k = torch.cat([kq, full.k.to(dtype)], dim=1)
     v = torch.cat([vq, full.v.to(dtype)], dim=1)
     return k, v, torch.cat([quant.positions.reshape(-1), full.positions])

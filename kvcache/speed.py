@@ -26,7 +26,7 @@ class SpeedModel:
         return self._cost(policy) is not None
 
     def _cost(self, policy: KVPolicy) -> FormatCost | None:
-        return self.calibration.cost_for(policy.bits, policy.evicts) if self.calibration is not None else None
+        return self.calibration.cost_for(policy.precision, policy.evicts) if self.calibration is not None else None
 
     def basis(self, policy: KVPolicy) -> str:
         if self.calibrated(policy):

@@ -123,6 +123,22 @@ def test_a_long_prefill_chunk_goes_to_the_reference(kernel, monkeypatch):
     torch.testing.assert_close(cpu.attend(q, q_pos, full, groups, rope).out, ref.out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("k_bits, v_bits", [(8, 4), (16, 4), (4, 16)])
+def test_keys_and_values_at_different_precisions_go_to_the_reference(kernel, monkeypatch, k_bits, v_bits):
+    """The C kernel reads one precision for both sides: a split policy's groups (k8v4, kf16v4) never reach it."""
+    q, q_pos, full, groups, rope = make_inputs(4, 2, 32, 2, 32, 8, 5, 1)
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 32, 32, generator=gen), torch.randn(2, 2, 32, 32, generator=gen)
+    side = lambda x, bits, fn: quant.FullGroups(x) if bits == 16 else fn(x, bits)
+    split = QuantGroups(side(k, k_bits, quant.quantize_keys), side(v, v_bits, lambda x, b: quant.quantize_values(x, b, 32)),
+                        groups.positions, 32)
+    assert split.uniform_bits is None and groups.uniform_bits == 8 and cpu.serves(q, full, groups)
+    assert not cpu.serves(q, full, split)
+    monkeypatch.setattr(cpu, "library", lambda: pytest.fail("the C library was called for a split policy"))
+    ref = attend_reference(q, q_pos, full, split, rope)
+    torch.testing.assert_close(cpu.attend(q, q_pos, full, split, rope).out, ref.out, atol=0, rtol=0)
+
+
 def test_switched_off_or_unbuildable_kernels_fall_back_to_the_reference(fresh_build_state, monkeypatch):
     q, q_pos, full, groups, rope = make_inputs(4, 2, 32, 2, 32, 8, 5, 1)
     ref = attend_reference(q, q_pos, full, groups, rope)

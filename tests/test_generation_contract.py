@@ -46,10 +46,12 @@ def test_run_json_has_a_fixed_shape(cli):
     res = cli("run", "--backend", "fake", "--json", "--max-tokens", "5", "hello world")
     assert res.code == 0
     out = json.loads(res.out)
-    assert set(out) == {"text", "finish_reason", "backend", "policy", "exact", "model", "stats"}
+    assert set(out) == {"text", "finish_reason", "backend", "policy", "exact", "model", "kv_layout", "planned_kv_bytes",
+                        "stats"}
     assert set(out["stats"]) >= {"prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s",
                                  "kv_bytes", "policy", "backend"}
     assert out["backend"] == "fake" and out["policy"] == "fp16" and out["exact"] is True
+    assert out["kv_layout"] == "exact: full-precision KV" and out["planned_kv_bytes"] > 0
     assert out["stats"]["generated_tokens"] == 5 and out["finish_reason"] == "length"
 
 

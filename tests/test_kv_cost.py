@@ -24,18 +24,18 @@ def test_llama3_8b_bf16_is_131072_bytes_per_token_and_16_gib_at_128k():
 
 def test_quantized_bytes_per_token_count_payload_and_fp16_scale_and_min_per_group():
     elems = cost.kv_elements_per_token(SMOLLM2)  # 11,520
-    assert cost.quant_bytes_per_token(SMOLLM2, 8, 32) == 11_520 + 360 * 4
-    assert cost.quant_bytes_per_token(SMOLLM2, 4, 64) == elems // 2 + elems // 64 * 4
+    assert cost.quant_bytes_per_token(SMOLLM2, 8, 8, 32) == 11_520 + 360 * 4
+    assert cost.quant_bytes_per_token(SMOLLM2, 4, 4, 64) == elems // 2 + elems // 64 * 4
     # the policy's per-token bytes are the same figures
-    assert cost.kv_bytes_per_token(SMOLLM2, KVPolicy(bits=8)) == elems + elems // 32 * 4
-    assert cost.kv_bytes_per_token(SMOLLM2, KVPolicy(bits=4, group_size=64)) == elems // 2 + elems // 64 * 4
+    assert cost.kv_bytes_per_token(SMOLLM2, KVPolicy(k_bits=8, v_bits=8)) == elems + elems // 32 * 4
+    assert cost.kv_bytes_per_token(SMOLLM2, KVPolicy(k_bits=4, v_bits=4, group_size=64)) == elems // 2 + elems // 64 * 4
 
 
 def test_residual_stays_full_precision_until_a_whole_group_ages_out():
     """Without a window the head (the first group, tokens 0..31) is never quantized; group 1
     (tokens 32..63) is once all of it is older than the 128-token residual."""
     policy = KVPolicy.parse("int4+res128")
-    full, q = cost.full_bytes_per_token(SMOLLM2), cost.quant_bytes_per_token(SMOLLM2, 4, 32)
+    full, q = cost.full_bytes_per_token(SMOLLM2), cost.quant_bytes_per_token(SMOLLM2, 4, 4, 32)
     assert cost.kv_bytes(SMOLLM2, policy, 100) == 100 * full
     assert cost.kv_bytes(SMOLLM2, policy, 128 + 32) == 160 * full  # group 0 aged out: the head stays
     assert cost.kv_bytes(SMOLLM2, policy, 128 + 63) == 191 * full

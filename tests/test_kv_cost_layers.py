@@ -44,12 +44,12 @@ def test_layers_without_attention_hold_nothing():
 def test_k_and_v_head_dims_are_counted_apart():
     spec = spec_of(LayerAttention(FULL, 1, 192, 128))  # an MLA-like split: K 192, V 128
     assert cost.kv_bytes(spec, KVPolicy(), 10) == 10 * (192 + 128) * 2
-    assert cost.quant_bytes_per_token(spec, 8, 32) == 320 + 320 // 32 * 4
+    assert cost.quant_bytes_per_token(spec, 8, 8, 32) == 320 + 320 // 32 * 4
 
 
 def test_quantized_sliding_layers_follow_the_cache_rules_of_a_window():
     spec = spec_of(SLIDE_L)
-    int8 = KVPolicy(bits=8)
+    int8 = KVPolicy(k_bits=8, v_bits=8)
     as_window = replace(int8, window=512)
     for n in (100, 600, 5000):
         assert cost.kv_bytes(spec, int8, n) == cost.kv_bytes(spec_of(FULL_L), as_window, n)

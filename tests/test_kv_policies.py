@@ -24,6 +24,9 @@ SHAPE = PolicyCacheShape(L, HKV, D, torch.float32)
 PRECISIONS = ["fp16", "int8", "int4", "int8+res16", "int4+g64+res40"]
 EVICTIONS = ["", "+win96", "+sink4+win96", "+win40", "+sink4+win96+heavy40", "+win96+heavy8", "+sink2+win40+heavy5"]
 MATRIX = [p + e for p, e in itertools.product(PRECISIONS, EVICTIONS)]
+# keys and values apart, one side at full precision too
+SPLITS = [p + e for p, e in itertools.product(["k8v4", "kf16v8", "kf16v4+res16", "k4vf16+g64"],
+                                               ["", "+sink4+win96", "+sink2+win40+heavy5"])]
 STEPS = [37, 40, 30] + [1] * 8 + [64, 5] + [1] * 6  # chunked prefill, decode, another chunk, decode
 
 
@@ -44,7 +47,7 @@ def stream(cache, seqs, steps, seed=0):
         yield T, outs
 
 
-@pytest.mark.parametrize("text", MATRIX)
+@pytest.mark.parametrize("text", MATRIX + SPLITS)
 def test_every_combination_streams_with_exact_bytes_and_held_tokens(text):
     policy = KVPolicy.parse(text)
     cache = PolicyKVCache(SHAPE, policy, ROPE)
@@ -107,13 +110,13 @@ def test_sinks_and_window_attend_over_exactly_the_kept_tokens_at_reindexed_posit
         n += T
 
 
-@pytest.mark.parametrize("text", ["int4+res16", "int8", "int4+g64+sink3"])
+@pytest.mark.parametrize("text", ["int4+res16", "int8", "int4+g64+sink3", "k8v4+res16", "kf16v4", "k4vf16+g64+sink3"])
 def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
     """A reference built from scratch: every token's exact K/V; before each step, main-stream
     groups 1, 2, ... that are entirely older than the residual are quantized and dequantized
     (kvcache.quant), group 0 (the head) and the sinks are not; rotate at positions, dense attention."""
     policy = KVPolicy.parse(text)
-    S, g, R, bits = policy.sinks, policy.group_size, policy.residual, policy.bits
+    S, g, R = policy.sinks, policy.group_size, policy.residual
     cache = PolicyKVCache(SHAPE, policy, ROPE)
     cache.add_sequence(0)
     gen = torch.Generator().manual_seed(11)
@@ -131,8 +134,10 @@ def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
             for grp in range(1, n_groups):
                 sel = slice(S + grp * g, S + (grp + 1) * g)
                 gk, gv = allk[sel].transpose(0, 1), allv[sel].transpose(0, 1)  # [H, g, D]
-                allk[sel] = quant.dequantize_keys(quant.quantize_keys(gk, bits)).transpose(0, 1)
-                allv[sel] = quant.dequantize_values(quant.quantize_values(gv, bits, g), g).transpose(0, 1)
+                if policy.k_bits < 16:  # a side at 16 bits stays as it is
+                    allk[sel] = quant.dequantize_keys(quant.quantize_keys(gk, policy.k_bits)).transpose(0, 1)
+                if policy.v_bits < 16:
+                    allv[sel] = quant.dequantize_values(quant.quantize_values(gv, policy.v_bits, g), g).transpose(0, 1)
             pos = torch.arange(n + T)[None]
             ref = dense_attention(ROPE.rotate(q, pos[:, n:]), ROPE.rotate(allk[None], pos), allv[None], pos[:, n:])
             assert torch.allclose(out, ref, atol=1e-5), f"{text}: attention differs at {n} tokens"
@@ -146,7 +151,7 @@ def test_an_unbounded_quantized_cache_keeps_the_head_group_exact(text):
 @pytest.mark.parametrize("bits,tol", [(8, 0.03), (4, 0.3)])
 def test_quantized_cache_tracks_the_full_precision_cache(bits, tol):
     exact = PolicyKVCache(SHAPE, KVPolicy(), ROPE)
-    lossy = PolicyKVCache(SHAPE, KVPolicy(bits=bits), ROPE)
+    lossy = PolicyKVCache(SHAPE, KVPolicy(k_bits=bits, v_bits=bits), ROPE)
     worst = 0.0
     steps = STEPS[:12] + [256, 256]  # 691 tokens: the 32-token full-precision head is a small part
     for (_, a), (_, b) in zip(stream(exact, [0], steps), stream(lossy, [0], steps)):

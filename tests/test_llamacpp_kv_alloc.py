@@ -1,6 +1,9 @@
 """Our count of llama.cpp's KV allocation equals llama.cpp's own report, per architecture, at three
 context lengths: tiny random-weight GGUFs (llama, qwen2, qwen3, gemma3, gemma2 with alternating
-windows, qwen3moe), loaded by llama.cpp in a child process with its log on."""
+windows, qwen3moe), loaded by llama.cpp in a child process with its log on. K and V types apart
+too, and what ``plan --json`` and ``run --json`` print for a llama.cpp plan."""
+import json
+
 import pytest
 from gguf_tiny import ARCHS, write
 
@@ -8,7 +11,9 @@ pytest.importorskip("llama_cpp")
 
 from localctx.backends.llamacpp_alloc import LlamaCppCache, row_bytes  # noqa: E402
 from localctx.backends.llamacpp_report import MiB, reported_caches  # noqa: E402
+from localctx.backends.llamacpp_shift import local_calibration, settings_for_policy  # noqa: E402
 from localctx.backends.model_spec import gguf_spec  # noqa: E402
+from localctx.kvcache.policy import KVPolicy  # noqa: E402
 
 CONTEXTS = (1000, 4096, 20000)  # 1000 pads to 1,024 cells; 20,000 is past the tiny models' trained 8,192
 
@@ -46,6 +51,46 @@ def test_sliding_layers_compact_unless_full_size_and_quantized_rows(ggufs):
     full, compact = settings[0].caches(spec), settings[1].caches(spec)
     assert full[1].cells == 20224 and compact[1].cells == 1024  # 512-token window + 512 ubatch, padded to 256
     assert settings[2].caches(spec)[1].cells == 512  # the SWA cache never exceeds the context
+
+
+SPLIT_TYPES = (("f16", "q8_0"), ("f16", "q4_0"), ("q8_0", "q4_0"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_keys_and_values_in_their_own_types_equal_llama_cpp_allocation(ggufs, arch):
+    spec = gguf_spec(ggufs[arch])
+    settings = [LlamaCppCache(n_ctx=c, type_k=k, type_v=v, flash_attn=True, swa_full=False)
+                for c in (1000, 8192) for k, v in SPLIT_TYPES]
+    for s, reported in zip(settings, reported_caches(ggufs[arch], settings)):
+        assert_matches(spec, s, reported)
+    k8v4 = settings[2].caches(spec)[0]
+    assert k8v4.k_bytes == k8v4.v_bytes * 34 // 18  # q8_0 blocks of 34 bytes, q4_0 of 18, same cells and widths
+
+
+@pytest.mark.parametrize("kv, types", [("int8", "q8_0 keys and values"), ("k8v4", "q8_0 keys, q4_0 values"),
+                                       ("kf16v4", "f16 keys, q4_0 values")])
+def test_plan_and_run_json_print_llama_cpp_allocation_and_layout(ggufs, cli, kv, types):
+    """At 1,024 and 8,192 tokens and at 1,000 (not a multiple of 256: llama.cpp pads to 1,024 cells)."""
+    path, policy = ggufs["qwen3"], KVPolicy.parse(kv)
+    spec = gguf_spec(path)
+    contexts = (1024, 8192, 1000)
+    plans = []
+    for c in contexts:
+        res = cli("plan", "-m", str(path), "--backend", "llamacpp", "--kv", kv, "--context", str(c), "--json")
+        assert res.code == 0, res.err
+        plans.append(json.loads(res.out)["plan"])
+    settings = [settings_for_policy(policy, c, local_calibration()).cache() for c in contexts]
+    for plan, s, reported in zip(plans, settings, reported_caches(path, settings)):
+        assert_matches(spec, s, reported)
+        assert plan["kv_bytes"] == s.bytes(spec)
+        assert plan["kv_layout"].startswith(f"lossy: {types}") and "padded to a multiple of 256 cells" in plan["kv_layout"]
+        assert "full precision)" not in plan["kv_layout"]  # not the policy cache's head group and residual
+    assert plans[2]["kv_bytes"] == plans[0]["kv_bytes"]  # 1,000 tokens take 1,024 cells
+    res = cli("run", "-m", str(path), "--backend", "llamacpp", "--kv", kv, "--context", "1000", "--max-tokens", "1",
+              "--raw", "--json", "hello")
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+    assert out["planned_kv_bytes"] == plans[2]["kv_bytes"] and out["kv_layout"] == plans[2]["kv_layout"]
 
 
 def test_row_sizes_match_ggml():

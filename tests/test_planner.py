@@ -81,7 +81,7 @@ def test_calibrated_quantized_kv_that_decodes_slower_loses_to_a_window_under_a_s
     speed = SpeedModel(CPU, synthetic_calibration())
     target = 100.0
     p = plan(CPU, SMOL, PlanRequest(context=8192, min_tok_s=target), EVERYTHING, speed)
-    assert p.policy.evicts and p.policy.bits == 16
+    assert p.policy.evicts and not p.policy.quantized
     assert speed.worst_decode_tok_s(SMOL, p.policy, 10**6) >= target
     too_slow = {r.policy for r in p.rejected if "--min-tok-s" in r.reason}
     assert {"fp16", "int8", "int4"} <= too_slow
@@ -107,7 +107,7 @@ def test_past_the_trained_context_the_speed_target_costs_window_size_and_says_so
 def test_without_a_calibration_quantized_kv_is_not_assumed_faster():
     speed = SpeedModel(CPU)
     for n in (1024, 8192):
-        assert speed.decode_tok_s(SMOL, KVPolicy(bits=4), n) <= speed.decode_tok_s(SMOL, KVPolicy(), n)
+        assert speed.decode_tok_s(SMOL, KVPolicy(k_bits=4, v_bits=4), n) <= speed.decode_tok_s(SMOL, KVPolicy(), n)
 
 
 def test_an_unreachable_speed_target_is_refused():

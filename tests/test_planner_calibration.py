@@ -76,9 +76,9 @@ def test_the_committed_default_covers_this_cpu_class_and_a_user_measurement_over
 def test_on_this_cpu_class_quantized_kv_decodes_slower_at_8k_and_the_planner_knows():
     key = hardware.table()["cpu"]["profiles"]["cpu-24gb"]["calibration_key"]
     speed = SpeedModel(CPU, calibration.load("llamacpp", key))
-    fp16 = speed.decode_tok_s(SMOL, KVPolicy(bits=16), 8192)
-    int4 = speed.decode_tok_s(SMOL, KVPolicy(bits=4), 8192)
-    assert cost.kv_bytes(SMOL, KVPolicy(bits=4), 8192) < cost.kv_bytes(SMOL, KVPolicy(), 8192) / 3
+    fp16 = speed.decode_tok_s(SMOL, KVPolicy(), 8192)
+    int4 = speed.decode_tok_s(SMOL, KVPolicy(k_bits=4, v_bits=4), 8192)
+    assert cost.kv_bytes(SMOL, KVPolicy(k_bits=4, v_bits=4), 8192) < cost.kv_bytes(SMOL, KVPolicy(), 8192) / 3
     assert int4 < fp16  # fewer bytes, yet slower: dequantisation costs more than the bytes save here
 
 
@@ -89,7 +89,7 @@ def test_calibrated_projection_is_the_measured_line_for_the_calibration_model():
     for n in (256, 2048, 8192):
         expected = 0.007 + 8e-11 * cost.kv_bytes(SMOL, KVPolicy(), n)
         assert speed.step_seconds(SMOL, KVPolicy(), n) == pytest.approx(expected)
-    assert speed.calibrated(KVPolicy()) and not speed.calibrated(KVPolicy(bits=8))
+    assert speed.calibrated(KVPolicy()) and not speed.calibrated(KVPolicy(k_bits=8, v_bits=8))
     bigger = known_spec("llama-3-8b-q4")  # another model: its extra weight bytes cost bandwidth time
     extra = (bigger.weight_bytes - SMOL.weight_bytes) / CPU.bandwidth_bytes_s
     assert speed.step_seconds(bigger, KVPolicy(), 0) == pytest.approx(0.007 + extra)

@@ -66,7 +66,7 @@ def measure_baseline(req: MeasureRequest, tracker: PeakTracker) -> Sample:
         return Sample(prompt_tokens=len(ids), generated_tokens=generated,
                       prefill_tok_s=len(ids) / (stamps[0] - start) if stamps else 0.0,
                       decode_tok_s=decode_steps / decode_s if decode_s > 0 else 0.0,
-                      kv_bytes=cost.kv_bytes(spec, KVPolicy(bits=16), n_tokens), kv_tokens=n_tokens,
+                      kv_bytes=cost.kv_bytes(spec, KVPolicy(), n_tokens), kv_tokens=n_tokens,
                       peak_rss_bytes=peak.rss_bytes, peak_scope=peak.scope, load_s=load_s, finish_reason=finish)
     finally:
         llm.close()

@@ -121,7 +121,7 @@ class ChatEngine:
             old, self.session = self.session, new
             if old is not None:
                 old.close()
-            emit(Replanned(new, f"KV policy is now {new.plan.policy} ({new.plan.policy.describe()})"))
+            emit(Replanned(new, f"KV policy is now {new.plan.policy} ({new.plan.kv_layout})"))
 
     def close(self) -> None:
         """Stops any answer, waits for it, and releases the model."""

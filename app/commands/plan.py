@@ -131,7 +131,7 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
         print(f"assumed   {assumption}")
     print(f"hardware  {ctx.hardware.describe()}")
     print(f"backend   {plan.backend}")
-    print(f"policy    {plan.policy}  ({plan.policy.describe()})")
+    print(f"policy    {plan.policy}  ({plan.kv_layout})")
     print(f"context   {plan.context:,} tokens; KV {format_bytes(plan.kv_bytes)} + weights "
           f"{format_bytes(plan.weight_bytes)}; decode ≈ {plan.decode_tok_s:.1f} tok/s"
           + (f", prefill ≈ {plan.prefill_tok_s:.0f} tok/s" if plan.prefill_tok_s else ""))

@@ -103,7 +103,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.json:
         out = {"text": "".join(pieces), "finish_reason": finish, "backend": session.plan.backend,
                "policy": str(session.plan.policy), "exact": session.plan.exact,
-               "model": session.spec.name, "stats": stats.to_dict() if stats else None}
+               "model": session.spec.name, "kv_layout": session.plan.kv_layout,
+               "planned_kv_bytes": session.plan.kv_bytes, "stats": stats.to_dict() if stats else None}
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")

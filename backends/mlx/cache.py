@@ -31,7 +31,7 @@ from localctx.kernels_metal.quant import QuantFormat
 from localctx.kernels_metal.quant_append import QuantStore, quantize_append
 from localctx.kernels_metal.rope import rope_at
 from localctx.kvcache import eviction
-from localctx.kvcache.policy import KVPolicy, layer_policy
+from localctx.kvcache.policy import KVPolicy, layer_policy, uniform_bits
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class LayerCache:
         self.policy = policy
         self.shape = shape
         self.inv_freq = inv_freq
-        self.fmt = QuantFormat(policy.bits if policy.quantized else 8, policy.group_size)
+        self.fmt = QuantFormat(uniform_bits(policy) if policy.quantized else 8, policy.group_size)
         self.quantizes = eviction.quantizes(policy)
         self.heavy_units = eviction.heavy_units(policy)
         self.head = eviction.head_groups(policy)  # groups at the start of the main stream kept full precision

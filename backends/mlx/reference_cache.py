@@ -13,13 +13,13 @@ from localctx.kernels_metal.quant import (QuantFormat, dequantize_keys, dequanti
                                           quantize_values)
 from localctx.kernels_metal.rope import rope_at
 from localctx.kvcache import eviction
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, uniform_bits
 
 
 class ReferenceLayerCache:
     def __init__(self, policy: KVPolicy, shape: CacheShape, inv_freq: mx.array):
         self.policy, self.shape, self.inv_freq = policy, shape, inv_freq
-        self.fmt = QuantFormat(policy.bits if policy.quantized else 8, policy.group_size)
+        self.fmt = QuantFormat(uniform_bits(policy) if policy.quantized else 8, policy.group_size)
         self.keys = np.zeros((shape.n_kv_heads, 0, shape.head_dim), np.float32)  # every token ever seen
         self.values = np.zeros_like(self.keys)
         self.kept = np.zeros(0, dtype=bool)

@@ -118,6 +118,7 @@ def remote_plan(endpoints: list[Endpoint], req: RemoteRequest) -> tuple[Plan, Mo
     plan = Plan(backend="openai", policy=policy, context=context, kv_bytes=int(served.get("kv_bytes", 0)),
                 weight_bytes=int(served.get("weight_bytes", 0)), decode_tok_s=served.get("decode_tok_s"),
                 prefill_tok_s=served.get("prefill_tok_s"), hardware=f"remote: {names}",
+                kv_layout=str(served.get("kv_layout", "")),
                 reasons=[f"planned by localctx serve at {first.url} (backend {served.get('backend')})",
                          *[str(r) for r in served.get("reasons", [])]])
     send = {"kv": str(policy), **({"context": req.context} if req.context else {})}
@@ -255,7 +256,7 @@ class RemoteBackend(Backend):
     name = "openai"
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), residual=True, sinks_window=True, heavy=True, batch=True,
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), split_kv=True, residual=True, sinks_window=True, heavy=True, batch=True,
                             notes=("the server runs the model and its KV cache; localctx serve takes the policy "
                                    "per request, other servers keep their own",))
 
@@ -293,7 +294,7 @@ def describe_remote(req: RemoteRequest, as_json: bool) -> int:
         return 0
     print(f"model     {session.model} on {', '.join(info['endpoints'])}")
     if session.is_localctx:
-        print(f"policy    {plan.policy}  ({plan.policy.describe()}), planned by localctx serve")
+        print(f"policy    {plan.policy}  ({plan.kv_layout}), planned by localctx serve")
     else:
         print("policy    the server's: localctx cannot see or set its KV cache")
     print(f"context   {plan.context:,} tokens")

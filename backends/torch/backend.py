@@ -35,7 +35,7 @@ class TorchBackend(Backend):
         return f"{self.name}-{self.options().speed_key()}"
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(kv_bits=frozenset({16, 8, 4}), residual=True, sinks_window=True, heavy=True, batch=True,
+        return Capabilities(kv_bits=frozenset({16, 8, 4}), split_kv=True, residual=True, sinks_window=True, heavy=True, batch=True,
                             native_graphs=NATIVE_GRAPH,
                             notes=("full-precision paged KV, or the policy cache (quantized, sinks + window, "
                                    "heavy hitters); the model's own graph in torch",))

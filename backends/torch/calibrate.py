@@ -31,7 +31,7 @@ from localctx.kvcache import cost
 from localctx.kvcache.calibration import Calibration, FormatCost, load_note, now_utc, save
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.planner import RESIDUAL
-from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.policy import KVPolicy, uniform
 
 CONTEXTS = (256, 2048, 8192)
 ROUNDS, STEPS = 4, 4
@@ -46,8 +46,8 @@ ROOM = _room(CONTEXTS, ROUNDS, STEPS)
 # the policy timed for each format: what the planner proposes for it. A windowed fp16 policy runs in
 # the policy cache (keys kept before RoPE, rotated at every step), not the paged one: it is timed
 # with a window wider than anything it holds here, so it never evicts and holds what the others hold.
-POLICIES = {"fp16": KVPolicy(bits=16), "int8": KVPolicy(bits=8), "int4": KVPolicy(bits=4, residual=RESIDUAL),
-            "fp16-windowed": KVPolicy(bits=16, sinks=4, window=ROOM)}
+POLICIES = {"fp16": KVPolicy(), "int8": uniform(8), "int4": uniform(4, residual=RESIDUAL),
+            "fp16-windowed": KVPolicy(sinks=4, window=ROOM)}
 SEQ = 0
 
 

@@ -310,9 +310,9 @@ class ChatScreen(Screen):
                                  "chat again (the cached prefix changed).")
 
     async def replan(self, arg: str) -> None:
-        policy = self.facts.plan.policy
+        plan = self.facts.plan
         if not arg:
-            await self.view.add_note(f"KV policy: `{policy}` ({policy.describe()}). Change it with /kv POLICY.")
+            await self.view.add_note(f"KV policy: `{plan.policy}` ({plan.kv_layout}). Change it with /kv POLICY.")
             return
         kv = None if arg.lower() == "auto" else arg
         try:

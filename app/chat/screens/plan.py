@@ -25,7 +25,7 @@ def plan_table(plan: Plan, hardware: str) -> Table:
     badge = Text(" EXACT " if plan.exact else " LOSSY ", style="bold black on green" if plan.exact
                  else "bold black on dark_orange")
     table.add_row("policy", Text.assemble((str(plan.policy) + " ", "bold"), badge))
-    table.add_row("", plan.policy.describe().split(": ", 1)[-1])
+    table.add_row("", plan.kv_layout.split(": ", 1)[-1])
     table.add_row("backend", plan.backend)
     table.add_row("hardware", hardware or "not named")
     table.add_row("context", f"{plan.context:,} tokens")

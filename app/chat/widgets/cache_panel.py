@@ -71,7 +71,7 @@ class CachePanel(VerticalScroll):
         badge = Text(" EXACT " if f.exact else " LOSSY ", style="bold black on green" if f.exact
                      else "bold black on dark_orange")
         self._put("policy", Text.assemble((f.policy + " ", "bold"), badge))
-        self._put("policy-detail", f.facts.plan.policy.describe().split(": ", 1)[-1])
+        self._put("policy-detail", f.facts.plan.kv_layout.split(": ", 1)[-1])
         self._put("kv-bar", bar(f.kv_bytes, f.kv_budget))
         self._put("kv", f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_budget)} planned")
         self._put("kv-detail", self._kv_detail(f))

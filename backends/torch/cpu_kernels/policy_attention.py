@@ -62,7 +62,8 @@ def serves(q: torch.Tensor, full: FullTokens, quant: QuantGroups | None) -> bool
     """Whether a call with these tensors runs in C (else the reference)."""
     T, _, D = q.shape
     return (q.device.type == "cpu" and T <= MAX_QUERIES and D <= MAX_HEAD_DIM and D % 2 == 0
-            and (quant is None or quant.group_size <= MAX_GROUP) and full.k.dtype in FULL_KINDS and available())
+            and (quant is None or (quant.group_size <= MAX_GROUP and quant.uniform_bits is not None))
+            and full.k.dtype in FULL_KINDS and available())
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -95,7 +96,7 @@ def attend(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: 
         parts = [t.contiguous() for t in (quant.k.codes, quant.k.scale, quant.k.min, quant.v.codes,
                                           quant.v.scale, quant.v.min, quant.positions.to(torch.int64))]
         keep += parts
-        args.G, args.g, args.bits = G, g, quant.k.bits
+        args.G, args.g, args.bits = G, g, quant.uniform_bits
         (args.k_codes, args.k_scale, args.k_min, args.v_codes, args.v_scale, args.v_min,
          args.g_pos) = (_ptr(t) for t in parts)
     library().library.lc_attend(ctypes.byref(args))
