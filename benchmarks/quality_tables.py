@@ -25,12 +25,11 @@ LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
 TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
 SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle-depths", "0.1,0.5,0.9"]
 # cut to what a shared 2-core machine ran in an hour (docs/quality.md says what was cut): perplexity
-# over 8K tokens per 4K segment, passkey at 4K and 16K at depth 0.5
-GEMMA_TASK = ["-m", GEMMA3, "--tokens", "8192", "--segment", "4096", "--chunk", "256",
-              "--needle-lengths", "4096,16384", "--needle-depths", "0.5"]
+# over 8K tokens per 4K segment; passkey at depth 0.5, at 4K and 16K as separate figures
 GEMMA_PPL = ["-m", GEMMA3, "--tokens", "8192", "--segment", "4096", "--chunk", "256", "--no-needle"]
-GEMMA_NEEDLE = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-lengths", "4096,16384",
-                "--needle-depths", "0.5"]
+GEMMA_NEEDLE = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", "0.5", "--needle-lengths"]
+GEMMA_POLICIES = {"fp16": [], "int8": ["--kv", "int8", "--no-baseline"],
+                  "win4096": ["--kv", "fp16+sink4+win4096", "--no-baseline"]}
 
 # name → the arguments of `localctx eval` (--json is added)
 COMMANDS: dict[str, list[str]] = {
@@ -38,13 +37,14 @@ COMMANDS: dict[str, list[str]] = {
     "smollm2-llamacpp-fp16": LLAMACPP + SMOL_TASK,
     "smollm2-llamacpp-int8": LLAMACPP + SMOL_TASK + ["--kv", "int8", "--no-baseline"],
     "smollm2-llamacpp-int4": LLAMACPP + SMOL_TASK + ["--kv", "int4", "--no-baseline"],
-    # Gemma 3 270M (32K trained context; 5 sliding-window layers of 512 : 1 global) on llama.cpp
-    "gemma3-llamacpp-fp16": LLAMACPP + GEMMA_TASK,
-    "gemma3-llamacpp-int8": LLAMACPP + GEMMA_TASK + ["--kv", "int8", "--no-baseline"],
-    "gemma3-llamacpp-win4096": LLAMACPP + GEMMA_TASK + ["--kv", "fp16+sink4+win4096", "--no-baseline"],
-    # the same tasks on torch (one thread, TORCH_ENV), perplexity and passkey apart
+    # K and V apart (k4v4 is int4)
+    **{f"smollm2-llamacpp-{p}": LLAMACPP + SMOL_TASK + ["--kv", p, "--no-baseline"] for p in ("k8v4", "kf16v8", "kf16v4")},
+    # Gemma 3 270M (32K trained context; 5 sliding-window layers of 512 : 1 global) on llama.cpp and torch
+    **{f"gemma3-llamacpp-ppl-{p}": LLAMACPP + GEMMA_PPL + a for p, a in GEMMA_POLICIES.items()},
+    **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
+       for n in (4096, 16384) for p, a in GEMMA_POLICIES.items()},
     "gemma3-torch-ppl-fp16": GEMMA_PPL,
-    "gemma3-torch-needle-fp16": GEMMA_NEEDLE,
+    "gemma3-torch-needle4k-fp16": GEMMA_NEEDLE + ["4096"],
 }
 
 
