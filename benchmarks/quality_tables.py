@@ -5,6 +5,7 @@ tables regenerates from a committed command.
     python benchmarks/quality_tables.py --list          # the names and their commands
     python benchmarks/quality_tables.py NAME [NAME...]  # run those (one at a time, in order)
     python benchmarks/quality_tables.py --all
+    python benchmarks/quality_tables.py --markdown      # the rows docs/quality.md shows, from the JSON
 
 Quality numbers are deterministic for a given build and thread count; only the wall times in the
 JSON depend on what else the machine was running. llama.cpp runs with one thread (--threads 1)
@@ -12,6 +13,7 @@ so that a shared machine slows it down without its threads spinning on each othe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -70,12 +72,55 @@ def run(name: str) -> None:
     print(f"{name}: {out.relative_to(DOCS.parent)} ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
+def load(name: str) -> dict | None:
+    path = DOCS / f"quality-{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def markdown_rows() -> list[str]:
+    """One row per measured policy: perplexity (and per segment), its change against the fp16 figure
+    of the same model and backend, passkey hits, KV held, cache types, and the raw file."""
+    lines = []
+    for name in COMMANDS:
+        data = load(name)
+        if data is None:
+            lines.append(f"| {name} | not measured |")
+            continue
+        group = name.rsplit("-", 1)[0]
+        base = load(f"{group}-fp16")
+        base_ppl = base["policies"][0]["perplexity"] if base and base["policies"][0]["perplexity"] else None
+        for row in data["policies"]:
+            ppl, needle, cache = row["perplexity"], row["needle"], row.get("cache") or {}
+            cells = [name, row["policy"], f"{cache['type_k']}/{cache['type_v']}" if cache else "torch"]
+            if ppl:
+                cells.append(f"{ppl['ppl']:.4f}")
+                cells.append(f"{(ppl['ppl'] / base_ppl['ppl'] - 1) * 100:+.2f}%" if base_ppl else "—")
+                cells.append(" / ".join(f"{seg:.3f}" for _, _, seg in ppl["segments"]) or "—")
+                cells.append(f"{ppl['kv_bytes'] / 2**20:.1f} MiB ({ppl['kv_tokens']:,} tokens)")
+            else:
+                cells += ["—"] * 4
+            if needle:
+                misses = [f"({c['length']}, {c['depth']})" for c in needle["grid"] if not c["hit"]]
+                cells.append(f"{needle['hits']}/{needle['total']}" + (f", misses {' '.join(misses)}" if misses else ""))
+            else:
+                cells.append("—")
+            cells.append(f"{(ppl['seconds'] if ppl else 0) + (needle['seconds'] if needle else 0):.0f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="which figures to regenerate")
     ap.add_argument("--all", action="store_true", help="every figure, in order")
     ap.add_argument("--list", action="store_true", help="print the names and their commands")
+    ap.add_argument("--markdown", action="store_true", help="print the measured rows as a markdown table")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print("| figure | policy | K/V | perplexity | vs fp16 | per segment | KV held | passkey | s |")
+        print("|---|---|---|---:|---:|---:|---:|---|---:|")
+        print("\n".join(markdown_rows()))
+        return 0
     if args.list:
         for name in COMMANDS:
             env = " ".join(f"{k}={v}" for k, v in environment(name).items())
