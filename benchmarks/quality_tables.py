@@ -25,6 +25,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 GEMMA3 = "/work/models/gemma-3-270m-it-Q4_K_M.gguf"
 LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
 TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
+SPLITS = ("k8v4", "kf16v8", "kf16v4")
 SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle-depths", "0.1,0.5,0.9"]
 # cut to what a shared 2-core machine ran in an hour (docs/quality.md says what was cut): perplexity
 # over 8K tokens per 4K segment; passkey at depth 0.5, at 4K and 16K as separate figures
@@ -39,8 +40,11 @@ COMMANDS: dict[str, list[str]] = {
     "smollm2-llamacpp-fp16": LLAMACPP + SMOL_TASK,
     "smollm2-llamacpp-int8": LLAMACPP + SMOL_TASK + ["--kv", "int8", "--no-baseline"],
     "smollm2-llamacpp-int4": LLAMACPP + SMOL_TASK + ["--kv", "int4", "--no-baseline"],
-    # K and V apart (k4v4 is int4)
-    **{f"smollm2-llamacpp-{p}": LLAMACPP + SMOL_TASK + ["--kv", p, "--no-baseline"] for p in ("k8v4", "kf16v8", "kf16v4")},
+    # K and V apart (k4v4 is int4): perplexity and the passkey grid as separate figures
+    **{f"smollm2-llamacpp-{p}": LLAMACPP + SMOL_TASK + ["--no-needle", "--kv", p, "--no-baseline"]
+       for p in SPLITS},
+    **{f"smollm2-llamacpp-needle-{p}": LLAMACPP + SMOL_TASK + ["--no-perplexity", "--kv", p, "--no-baseline"]
+       for p in SPLITS},
     # Gemma 3 270M (32K trained context; 5 sliding-window layers of 512 : 1 global) on llama.cpp and torch
     **{f"gemma3-llamacpp-ppl-{p}": LLAMACPP + GEMMA_PPL + a for p, a in GEMMA_POLICIES.items()},
     **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
