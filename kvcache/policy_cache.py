@@ -28,12 +28,12 @@ from typing import Sequence
 
 import torch
 
-from localctx.kvcache import eviction
+from localctx.kvcache import chunk_view, eviction
 from localctx.kvcache.block_pool import BlockPool, PoolExhausted
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.layer_store import LayerStore
 from localctx.kvcache.policy import KVPolicy, layer_policy
-from localctx.kvcache.quant_attention import attend_reference
+from localctx.kvcache.quant_attention import FullTokens, attend_reference, attend_visible
 
 
 @dataclass(frozen=True)
@@ -275,27 +275,84 @@ class PolicyKVCache:
         for b, seq_id in enumerate(self._step):
             seq = self._seqs[seq_id]
             layer = seq.layers[layer_idx]
-            layer.append(k[b], v[b], seq.n_seen)  # attention reads the store in place, new tokens included
-            window = self.model_windows[layer_idx]
-            if self.model_window_kept[layer_idx]:
-                layer.evict(seq.n_seen + 1)  # what even the step's first query cannot see
-            full, groups, q_pos = layer.attention_inputs(T)
-            rope, mass = self.ropes[layer_idx], self.track_mass[layer_idx]
-            if window is not None and layer.n_tokens > window:  # the window mask can hide a held key
-                res = attend_reference(q[b], q_pos, full, groups, rope, want_mass=mass, window=window,
-                                       sinks=self.layer_policies[layer_idx].sinks)
+            policy, kept = self.layer_policies[layer_idx], self.model_window_kept[layer_idx]
+            if self.track_mass[layer_idx]:  # heavy hitters: sub-steps between the evictions
+                parts, done = [], 0
+                while done < T:
+                    r = chunk_view.substep_length(policy, seq.n_seen + done, T - done)
+                    parts.append(self._attend_plain(layer_idx, layer, seq.n_seen + done, q[b, done:done + r],
+                                                    k[b, done:done + r], v[b, done:done + r]))
+                    done += r
+                    layer.age(seq.n_seen + done)
+                    layer.evict(seq.n_seen + done)
+                outs.append(torch.cat(parts))
             else:
-                res = self.attention(q[b], q_pos, full, groups, rope, want_mass=mass)
-            outs.append(res.out)
-            layer.add_mass(res.full_mass, res.quant_mass)
-            seen = seq.n_seen + T
-            layer.age(seen)
-            layer.evict(seen)
+                if chunk_view.appends_only(policy, seq.n_seen, T, kept):
+                    outs.append(self._attend_plain(layer_idx, layer, seq.n_seen, q[b], k[b], v[b]))
+                else:
+                    outs.append(self._attend_chunk(layer_idx, layer, seq.n_seen, q[b], k[b], v[b]))
+                layer.age(seq.n_seen + T)
+                layer.evict(seq.n_seen + T)
             seq.attended.add(layer_idx)
             if len(seq.attended) == self.shape.n_layers:
-                seq.n_seen, seq.pending, seq.attended = seen, 0, set()
+                seq.n_seen, seq.pending, seq.attended = seq.n_seen + T, 0, set()
                 self._sync_pool(seq_id)
         return torch.stack(outs)
+
+    def _attend_plain(self, layer_idx: int, layer: LayerStore, n_seen: int, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """Tokens whose queries see the cache as it stands plus the earlier of them (one decode
+        step, or a chunk within ``chunk_view.appends_only``): one causal attention, on the fused
+        kernel where no window mask is needed. Accumulates attention mass where it is tracked."""
+        T = q.shape[0]
+        layer.append(k, v, n_seen)  # attention reads the store in place, new tokens included
+        window = self.model_windows[layer_idx]
+        if self.model_window_kept[layer_idx]:
+            layer.evict(n_seen + 1)  # what even the first query cannot see
+        full, groups, q_pos = layer.attention_inputs(T)
+        rope, mass = self.ropes[layer_idx], self.track_mass[layer_idx]
+        if window is not None and layer.n_tokens > window:  # the window mask can hide a held key
+            res = attend_reference(q, q_pos, full, groups, rope, want_mass=mass, window=window,
+                                   sinks=self.layer_policies[layer_idx].sinks)
+        else:
+            res = self.attention(q, q_pos, full, groups, rope, want_mass=mass)
+        layer.add_mass(res.full_mass, res.quant_mass)
+        return res.out
+
+    def _attend_chunk(self, layer_idx: int, layer: LayerStore, n_seen: int, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """A chunk whose queries see different caches (``kvcache/chunk_view.py``): the store ages
+        to what the last query sees, the groups that aged on the way are attended in both forms,
+        and each query is masked to what decoding would show it. This runs the reference
+        attention (the fused kernels take no per-query mask) and tracks no attention mass."""
+        T, policy = q.shape[0], self.layer_policies[layer_idx]
+        kept = self.model_window_kept[layer_idx]
+        layer.append(k, v, n_seen)
+        if kept:
+            layer.evict(n_seen + 1)  # what even the first query cannot see
+        aged = None
+        if layer.quantizes:  # the full-precision rows of the groups that age before the last query
+            S, g = policy.sinks, policy.group_size
+            idx = layer.full_idx.view
+            group = torch.div(idx - S, g, rounding_mode="floor")
+            ages = (idx >= S + layer.head_groups * g) & ((group + 1) * g <= n_seen + T - 1 - S - policy.residual)
+            if bool(ages.any()):
+                aged = (layer.full_k.view[ages], layer.full_v.view[ages], idx[ages])  # copies
+            layer.age(n_seen + T - 1)
+        full, groups, _ = layer.attention_inputs(T)
+        full_idx, group_idx = layer.stream_indices()
+        index = [full_idx] if group_idx is None else [group_idx.reshape(-1), full_idx]
+        quantized = [torch.zeros_like(full_idx, dtype=torch.bool)]
+        if group_idx is not None:
+            quantized.insert(0, torch.ones(group_idx.numel(), dtype=torch.bool, device=full_idx.device))
+        if aged is not None:
+            full = FullTokens(torch.cat([full.k, aged[0].transpose(0, 1)], dim=1),
+                              torch.cat([full.v, aged[1].transpose(0, 1)], dim=1), full.positions)
+            index.append(aged[2])
+            quantized.append(torch.zeros_like(aged[2], dtype=torch.bool))
+        view = chunk_view.chunk_view(policy, n_seen, T, torch.cat(index), torch.cat(quantized),
+                                     evicts_first=kept, model_window=self.model_windows[layer_idx])
+        return attend_visible(q, full, groups, self.ropes[layer_idx], view).out
 
     def end_step(self) -> None:
         for seq in self._step_sequences():

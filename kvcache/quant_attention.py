@@ -27,6 +27,11 @@ Grouped-query attention: query head h reads KV head h // (n_heads / n_kv_heads).
 
 With ``want_mass`` the result also carries each key's attention mass (softmax probabilities
 summed over the T queries and all query heads), which heavy-hitter eviction accumulates.
+
+``attend_visible`` is the same attention with the visibility given per query (a ``KeyView``):
+a chunk of prefill whose queries, as in decoding, see different keys — the window moving, groups
+aged into their quantized form (the key list then holds both forms of those tokens), and the
+sinks at positions that eviction has moved closer (``kvcache/chunk_view.py`` builds the view).
 """
 from __future__ import annotations
 
@@ -89,6 +94,40 @@ def gather_keys_values(full: FullTokens, quant: QuantGroups | None, dtype: torch
     k = torch.cat([kq, full.k.to(dtype)], dim=1)
     v = torch.cat([vq, full.v.to(dtype)], dim=1)
     return k, v, torch.cat([quant.positions.reshape(-1), full.positions])
+
+
+@dataclass(frozen=True)
+class KeyView:
+    """What each query of a chunk sees, over the keys in ``gather_keys_values`` order (quantized
+    groups first, then the full-precision tokens)."""
+    visible: torch.Tensor  # [T, L] bool
+    key_positions: torch.Tensor  # [L] long: where each key is rotated
+    q_positions: torch.Tensor  # [T] long: where each query is rotated against the keys
+    # keys whose distance to a query is taken in a frame of their own (the sinks, once eviction
+    # has moved them closer: query − key is then q_sink_positions − key_positions); None: none
+    sink_keys: torch.Tensor | None = None  # [L] bool
+    q_sink_positions: torch.Tensor | None = None  # [T] long
+
+
+def attend_visible(q: torch.Tensor, full: FullTokens, quant: QuantGroups | None, rope, view: KeyView, *,
+                   scale: float | None = None) -> AttentionResult:
+    """Attention where ``view`` says, per query, which keys it sees and at what distance (the
+    positions in ``full`` and ``quant`` are not read)."""
+    T, Hq, D = q.shape
+    k, v, _ = gather_keys_values(full, quant, q.dtype)
+    Hkv = k.shape[0]
+    qt = q.transpose(0, 1)
+    qr = _rotate(rope, qt, view.q_positions)  # [Hq, T, D]
+    kr = _rotate(rope, k, view.key_positions)  # [Hkv, L, D]
+    if view.sink_keys is not None:
+        # two frames in one product: [q at p, q at p_sink] · [k, 0] or [0, k_sink]
+        sink = view.sink_keys[None, :, None]
+        qr = torch.cat([qr, _rotate(rope, qt, view.q_sink_positions)], dim=-1)
+        kr = torch.cat([kr.masked_fill(sink, 0), kr.masked_fill(~sink, 0)], dim=-1)
+    scale = scale if scale is not None else D ** -0.5
+    out = F.scaled_dot_product_attention(qr.unsqueeze(0), kr.unsqueeze(0), v.unsqueeze(0), attn_mask=view.visible,
+                                         scale=scale, enable_gqa=Hq != Hkv)[0]
+    return AttentionResult(out.transpose(0, 1))
 
 
 def attend_reference(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: QuantGroups | None,
