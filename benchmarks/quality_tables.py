@@ -50,6 +50,9 @@ COMMANDS: dict[str, list[str]] = {
     **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
        for n in (4096, 16384) for p, a in GEMMA_POLICIES.items()},
     "gemma3-torch-ppl-fp16": GEMMA_PPL,
+    # int8 and the window on torch: measured after the prefill fix (chunked prefill attends as decode does)
+    "gemma3-torch-ppl-int8": GEMMA_PPL + ["--kv", "int8", "--no-baseline"],
+    "gemma3-torch-ppl-win4096": GEMMA_PPL + ["--kv", "fp16+sink4+win4096", "--no-baseline"],
     "gemma3-torch-needle4k-fp16": GEMMA_NEEDLE + ["4096"],
 }
 
