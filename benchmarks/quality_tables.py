@@ -88,6 +88,16 @@ def load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def fp16_perplexity(group: str) -> dict | None:
+    """The fp16 row's perplexity among the figures ``group-*`` (its own figure, or a baseline row)."""
+    for name in COMMANDS:
+        data = load(name) if name.rsplit("-", 1)[0] == group else None
+        for row in (data or {}).get("policies", []):
+            if row["policy"] == "fp16" and row["perplexity"]:
+                return row["perplexity"]
+    return None
+
+
 def markdown_rows() -> list[str]:
     """One row per measured policy: perplexity (and per segment), its change against the fp16 figure
     of the same model and backend, passkey hits, KV held, cache types, and the raw file."""
@@ -97,9 +107,7 @@ def markdown_rows() -> list[str]:
         if data is None:
             lines.append(f"| {name} | not measured |")
             continue
-        group = name.rsplit("-", 1)[0]
-        base = load(f"{group}-fp16")
-        base_ppl = base["policies"][0]["perplexity"] if base and base["policies"][0]["perplexity"] else None
+        base_ppl = fp16_perplexity(name.rsplit("-", 1)[0])
         for row in data["policies"]:
             ppl, needle, cache = row["perplexity"], row["needle"], row.get("cache") or {}
             cells = [name, row["policy"], f"{cache['type_k']}/{cache['type_v']}" if cache else "torch"]
