@@ -48,7 +48,8 @@ COMMANDS: dict[str, list[str]] = {
     # a quicker verdict on 4-bit: 2,048 tokens of the same text, no passkey
     "smollm2-llamacpp-ppl2k-int4": LLAMACPP + ["--tokens", "2048", "--no-needle", "--kv", "int4"],
     **{f"smollm2-llamacpp-ppl2k-{p}": LLAMACPP + ["--tokens", "2048", "--no-needle", "--kv", p, "--no-baseline"]
-       for p in ("k8v4", "kf16v4")},
+       for p in ("k8v4", "kf16v4", "kf16v8")},
+    "smollm2-llamacpp-needle1k-int4": LLAMACPP + ["--no-perplexity", "--needle-lengths", "1024", "--kv", "int4"],
     # Gemma 3 270M (32K trained context; 5 sliding-window layers of 512 : 1 global) on llama.cpp and torch
     **{f"gemma3-llamacpp-ppl-{p}": LLAMACPP + GEMMA_PPL + a for p, a in GEMMA_POLICIES.items()},
     **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
