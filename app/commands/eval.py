@@ -1,6 +1,7 @@
 """``localctx eval``: what a KV policy costs in quality on your model — perplexity of a long text
 streamed through the policy's cache, and passkey retrieval over context lengths × depths — each
-policy beside the full-precision cache of the same backend (torch)."""
+policy beside the full-precision cache of the same backend: torch (its policy caches) or llama.cpp
+(its own cache types, f16 / q8_0 / q4_0, and its context shift for a window)."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,10 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="perplexity and needle retrieval of KV policies against full precision",
                        description="Measure what each KV policy costs in quality, beside the full-precision cache.")
     p.add_argument("-m", "--model", default=None, help="GGUF path or HF folder (default: the bundled SmolLM2-135M)")
+    p.add_argument("--backend", choices=("torch", "llamacpp"), default="torch",
+                   help="whose KV cache to measure: torch's policy caches (default) or llama.cpp's cache types")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="llama.cpp threads (default: the physical cores; torch reads LOCALCTX_TORCH_THREADS)")
     p.add_argument("--kv", action="append", default=[], metavar="POLICY",
                    help="a KV policy to evaluate (repeatable), e.g. int8, int4+res128, int4+sink4+win2048")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of text streamed for perplexity (default 8192)")
@@ -47,7 +52,7 @@ def _numbers(text: str, kind, what: str) -> tuple:
 
 
 def tasks_from(args: argparse.Namespace):
-    from localctx.backends.torch.evaluate import NeedleTask, PerplexityTask
+    from localctx.backends.eval_tasks import NeedleTask, PerplexityTask
 
     if args.chunk < 1:
         raise UserError(f"--chunk {args.chunk} must be at least 1")
@@ -77,18 +82,27 @@ def handle(args: argparse.Namespace) -> int:
     if args.no_baseline and not policies:
         raise UserError("--no-baseline with no --kv leaves nothing to measure; give --kv POLICY")
     ppl, needle = tasks_from(args)
-    from localctx.backends.torch.loading import TorchOptions, load_model
-    from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
+    if args.threads is not None and (args.backend != "llamacpp" or args.threads < 1):
+        raise UserError(f"--threads {args.threads} needs --backend llamacpp and at least 1 "
+                        "(torch's threads: LOCALCTX_TORCH_THREADS)")
+    if args.backend == "llamacpp":
+        from localctx.backends.llamacpp_evaluate import LlamaCppEvaluator, evaluate
 
-    ref, _ = resolve_model(SessionRequest(model=args.model, backend="torch"))
-    loaded = load_model(ref, TorchOptions.from_env())
-    evaluator = PolicyEvaluator(loaded.model, loaded.tokenizer)
+        ref, _ = resolve_model(SessionRequest(model=args.model, backend="llamacpp"))
+        evaluator = LlamaCppEvaluator(ref, threads=args.threads)
+    else:
+        from localctx.backends.torch.loading import TorchOptions, load_model
+        from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
+
+        ref, _ = resolve_model(SessionRequest(model=args.model, backend="torch"))
+        loaded = load_model(ref, TorchOptions.from_env())
+        evaluator = PolicyEvaluator(loaded.model, loaded.tokenizer)
     progress = None if args.json else (lambda r: print(f"  measured {progress_line(r)}", file=sys.stderr, flush=True))
     reports = evaluate(evaluator, policies, ppl, needle, progress, baseline=not args.no_baseline)
     if args.json:
-        print(json.dumps(as_json(ref.name, ppl, needle, reports), indent=2))
+        print(json.dumps(as_json(ref.name, ppl, needle, reports, args.backend), indent=2))
     else:
-        print(table(ref.name, ppl, needle, reports))
+        print(table(ref.name, ppl, needle, reports, args.backend))
     return 0
 
 
@@ -101,20 +115,25 @@ def progress_line(r) -> str:
     return ", ".join(parts)
 
 
-def as_json(model: str, ppl, needle, reports) -> dict:
+def as_json(model: str, ppl, needle, reports, backend: str = "torch") -> dict:
     from dataclasses import asdict
 
-    return {"model": model, "backend": "torch",
+    def row(r) -> dict:
+        out = {"policy": r.policy, "exact": r.exact}
+        if r.backend_settings:  # llama.cpp: its cache types, n_ctx and allocated bytes
+            out["cache"] = r.backend_settings
+        out["perplexity"] = asdict(r.perplexity) if r.perplexity else None
+        out["needle"] = (asdict(r.needle) | {"accuracy": r.needle.accuracy}) if r.needle else None
+        return out
+
+    return {"model": model, "backend": backend,
             "perplexity_task": asdict(ppl) if ppl else None, "needle_task": asdict(needle) if needle else None,
-            "policies": [{"policy": r.policy, "exact": r.exact,
-                          "perplexity": asdict(r.perplexity) if r.perplexity else None,
-                          "needle": (asdict(r.needle) | {"accuracy": r.needle.accuracy}) if r.needle else None}
-                         for r in reports]}
+            "policies": [row(r) for r in reports]}
 
 
-def table(model: str, ppl, needle, reports) -> str:
+def table(model: str, ppl, needle, reports, backend: str = "torch") -> str:
     base = reports[0] if reports[0].exact else None
-    lines = [f"model {model}, torch backend"]
+    lines = [f"model {model}, {backend} backend"]
     if ppl:
         lines.append(f"perplexity: {ppl.n_tokens} tokens of pydoc_data.topics streamed in chunks of {ppl.chunk}, "
                      f"scored from token {max(1, ppl.score_from)}")

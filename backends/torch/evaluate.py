@@ -12,64 +12,16 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from localctx.backends import eval_tasks
+from localctx.backends.eval_tasks import (FILLER, INTRO, QUESTION, NeedleResult, NeedleTask,  # noqa: F401
+                                          PerplexityResult, PerplexityTask, PolicyReport, long_text, text_tokens,
+                                          with_baseline)
 from localctx.kvcache.factory import CacheRequest, make_kv_cache
 from localctx.kvcache.policy import KVPolicy
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-         "Find it and memorize it. I will quiz you about it.\n")
-QUESTION = "\nWhat is the pass key? The pass key is"
-
-
-def long_text() -> str:
-    """About 465K characters of English shipped with Python (no download)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
-@dataclass(frozen=True)
-class PerplexityTask:
-    n_tokens: int = 8192  # tokens streamed through the cache
-    chunk: int = 128  # tokens per forward (a decode step sees the cache as it stands)
-    score_from: int = 0  # score predictions of tokens [score_from, n_tokens)
-    segment: int = 0  # also report perplexity per segment of this many tokens (0 = off)
-
-
-@dataclass(frozen=True)
-class NeedleTask:
-    lengths: tuple[int, ...] = (1024, 2048, 4096)
-    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    answer_tokens: int = 6
-    seed: int = 0
-    chunk: int = 128  # prefill chunk: the prompt streams through the cache as in perplexity
-
-
-@dataclass
-class PerplexityResult:
-    ppl: float
-    scored: int
-    segments: list[tuple[int, int, float]] = field(default_factory=list)  # (from, to, ppl)
-    kv_bytes: int = 0  # what the cache held at the end
-    kv_tokens: int = 0
-    seconds: float = 0.0
-
-
-@dataclass
-class NeedleResult:
-    hits: int
-    total: int
-    grid: list[dict] = field(default_factory=list)  # {length, depth, key, answer, hit}
-    seconds: float = 0.0
-
-    @property
-    def accuracy(self) -> float:
-        return self.hits / self.total if self.total else 0.0
 
 
 class PolicyEvaluator:
@@ -121,14 +73,7 @@ class PolicyEvaluator:
     # -- passkey retrieval ---------------------------------------------------------------------
     def passkey_prompt(self, length: int, depth: float, key: str) -> list[int]:
         """A prompt of about ``length`` tokens with the key sentence at ``depth`` (0 = start)."""
-        enc = self.tokenizer.encode
-        fixed = len(enc(INTRO + f"The pass key is {key}. Remember it. {key} is the pass key. " + QUESTION))
-        per_filler = len(enc(FILLER * 8)) / 8
-        n_fill = max(1, round((length - fixed) / per_filler))
-        before = round(n_fill * depth)
-        text = (INTRO + FILLER * before + f"The pass key is {key}. Remember it. {key} is the pass key. "
-                + FILLER * (n_fill - before) + QUESTION)
-        return enc(text)
+        return eval_tasks.passkey_prompt(self.tokenizer, length, depth, key)
 
     def needle(self, policy: KVPolicy, task: NeedleTask) -> NeedleResult:
         started = time.perf_counter()
@@ -156,31 +101,6 @@ class PolicyEvaluator:
             out.append(tok)
             logits = self._forward(cache, torch.tensor([tok]), all_logits=False)
         return self.tokenizer.decode(out)
-
-
-@dataclass
-class PolicyReport:
-    policy: str
-    exact: bool
-    perplexity: PerplexityResult | None = None
-    needle: NeedleResult | None = None
-
-
-def with_baseline(policies: Sequence[KVPolicy], baseline: bool = True) -> list[KVPolicy]:
-    """The full-precision cache first (unless ``baseline`` is off), then each policy once, in order."""
-    out = [KVPolicy()] if baseline else []
-    for p in policies:
-        if p not in out:
-            out.append(p)
-    return out
-
-
-def text_tokens(tokenizer, n_tokens: int) -> list[int]:
-    text = long_text()
-    ids = tokenizer.encode(text[:n_tokens * 8])  # ~4 characters a token: plenty, and fast to encode
-    if len(ids) < n_tokens:
-        ids = tokenizer.encode(text)
-    return ids[:n_tokens]
 
 
 def evaluate(evaluator: PolicyEvaluator, policies: Sequence[KVPolicy], ppl: PerplexityTask | None,
