@@ -35,15 +35,16 @@ class Verdict:
     backend: str
     format: str
     perplexity_delta_pct: float
-    passkey_delta_points: float
+    passkey_delta_points: float | None  # None: passkey not measured (only the perplexity goal is judged)
     source: str
     detail: str = ""
     model: str = ""  # the model it was measured on
 
     def measured(self) -> str:
         on = f"{self.backend}" + (f" with {self.model}" if self.model else "")
-        return (f"measured on {on}: perplexity {self.perplexity_delta_pct:+.2f}%, passkey "
-                f"{self.passkey_delta_points:+g} points vs full precision ({self.source})")
+        passkey = ("passkey not measured" if self.passkey_delta_points is None
+                   else f"passkey {self.passkey_delta_points:+g} points")
+        return f"measured on {on}: perplexity {self.perplexity_delta_pct:+.2f}%, {passkey} vs full precision ({self.source})"
 
     def broken_goals(self, policy: KVPolicy) -> str | None:
         """Why this measurement breaks the goals for ``policy``'s precision, or None."""
@@ -51,7 +52,7 @@ class Verdict:
         broken = []
         if self.perplexity_delta_pct > goal:
             broken.append(f"perplexity over +{goal:g}%")
-        if self.passkey_delta_points < -PASSKEY_GOAL_POINTS:
+        if self.passkey_delta_points is not None and self.passkey_delta_points < -PASSKEY_GOAL_POINTS:
             broken.append("passkey loss")
         if not broken:
             return None
@@ -96,10 +97,15 @@ class BackendQuality:
 NO_VERDICTS = QualityTable({})
 
 
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
 def parse(data: dict, source: str) -> QualityTable:
     try:
         verdicts = {backend: {fmt: Verdict(backend, str(KVPolicy.parse(fmt)), float(v["perplexity_delta_pct"]),
-                                           float(v["passkey_delta_points"]), str(v["source"]), str(v.get("detail", "")),
+                                           _optional_float(v["passkey_delta_points"]), str(v["source"]),
+                                           str(v.get("detail", "")),
                                            str(v.get("model", "")))
                               for fmt, v in formats.items()}
                     for backend, formats in data["verdicts"].items()}
