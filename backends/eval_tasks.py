@@ -9,8 +9,9 @@ only by what the cache does (both tokenizers give llama.cpp's ids for a GGUF).""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from localctx.kvcache.policy import KVPolicy
 
@@ -115,6 +116,19 @@ def passkey_cells(tokenizer: Encoder, task: NeedleTask):
         for depth in task.depths:
             key = str(rng.randint(10000, 99999))
             yield length, depth, key, passkey_prompt(tokenizer, length, depth, key)
+
+
+def needle_grid(cells, answer: Callable[[list[int]], str]) -> NeedleResult:
+    """Every cell of ``passkey_cells`` answered by ``answer(prompt ids)``; a hit is an answer that
+    starts with the key."""
+    started = time.perf_counter()
+    grid, hits = [], 0
+    for length, depth, key, ids in cells:
+        text = answer(ids)
+        hit = text.strip().startswith(key)
+        hits += hit
+        grid.append({"length": length, "tokens": len(ids), "depth": depth, "key": key, "answer": text, "hit": hit})
+    return NeedleResult(hits, len(grid), grid, time.perf_counter() - started)
 
 
 def with_baseline(policies: Sequence[KVPolicy], baseline: bool = True) -> list[KVPolicy]:

@@ -20,7 +20,8 @@ from typing import Sequence
 import numpy as np
 
 from localctx.backends.eval_tasks import (NeedleResult, NeedleTask, PerplexityResult, PerplexityTask, PolicyReport,
-                                          passkey_cells, perplexity_result, text_tokens, with_baseline)
+                                          needle_grid, passkey_cells, perplexity_result, text_tokens,
+                                          with_baseline)
 from localctx.backends.modelref import ModelRef
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
@@ -148,15 +149,7 @@ class LlamaCppEvaluator:
 
     # -- passkey retrieval ---------------------------------------------------------------------
     def needle(self, session, cells, task: NeedleTask) -> NeedleResult:
-        started = time.perf_counter()
-        grid, hits = [], 0
-        for length, depth, key, ids in cells:
-            answer = self._greedy(session, ids, task.answer_tokens, task.chunk)
-            hit = answer.strip().startswith(key)
-            hits += hit
-            grid.append({"length": length, "tokens": len(ids), "depth": depth, "key": key,
-                         "answer": answer, "hit": hit})
-        return NeedleResult(hits, len(grid), grid, time.perf_counter() - started)
+        return needle_grid(cells, lambda ids: self._greedy(session, ids, task.answer_tokens, task.chunk))
 
     def _greedy(self, session, ids: list[int], n_new: int, chunk: int) -> str:
         session.reset()

@@ -10,7 +10,6 @@ beside it."""
 from __future__ import annotations
 
 import math
-import random
 import time
 from typing import Sequence
 
@@ -76,19 +75,8 @@ class PolicyEvaluator:
         return eval_tasks.passkey_prompt(self.tokenizer, length, depth, key)
 
     def needle(self, policy: KVPolicy, task: NeedleTask) -> NeedleResult:
-        started = time.perf_counter()
-        rng = random.Random(task.seed)
-        grid, hits = [], 0
-        for length in task.lengths:
-            for depth in task.depths:
-                key = str(rng.randint(10000, 99999))
-                ids = self.passkey_prompt(length, depth, key)
-                answer = self._greedy(policy, ids, task.answer_tokens, task.chunk)
-                hit = answer.strip().startswith(key)
-                hits += hit
-                grid.append({"length": length, "tokens": len(ids), "depth": depth, "key": key,
-                             "answer": answer, "hit": hit})
-        return NeedleResult(hits, len(grid), grid, time.perf_counter() - started)
+        return eval_tasks.needle_grid(eval_tasks.passkey_cells(self.tokenizer, task),
+                                      lambda ids: self._greedy(policy, ids, task.answer_tokens, task.chunk))
 
     def _greedy(self, policy: KVPolicy, ids: list[int], n_new: int, chunk: int) -> str:
         cache = self._cache(policy, len(ids) + n_new)
