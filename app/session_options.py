@@ -102,6 +102,8 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
         ctx = planning_context(req.backend, spec, hardware=req.hardware, measure=req.backend != "fake")
     plan = plan_fixed(ctx, spec, KVPolicy.parse(req.kv), req.plan_request()) if req.kv else \
         make_auto_plan(ctx, spec, req.plan_request())
+    if req.kv:  # a policy the user named is refused by plan as by run, with the backend's reason
+        refuse_unrunnable(plan, spec)
     if req.backend == "fake":
         plan.hardware = ""  # the fake backend runs on no hardware: surfaces show their own label
     return plan
@@ -146,14 +148,18 @@ class PlannedSession:
         return session
 
 
-def plan_session(req: SessionRequest) -> PlannedSession:
-    """Resolves and plans; a bad model, policy or backend is refused here, before anything loads."""
-    ref, spec = resolve_model(req)
-    plan = make_plan(req, spec)
+def refuse_unrunnable(plan: Plan, spec: ModelSpec) -> None:
     refusals = registry.get(plan.backend).refusals(plan.policy, spec)
     if refusals:
         raise UserError(f"backend {plan.backend} cannot run KV policy {plan.policy}: {'; '.join(refusals)}; "
                         "choose another --kv or --backend")
+
+
+def plan_session(req: SessionRequest) -> PlannedSession:
+    """Resolves and plans; a bad model, policy or backend is refused here, before anything loads."""
+    ref, spec = resolve_model(req)
+    plan = make_plan(req, spec)
+    refuse_unrunnable(plan, spec)
     if check_cache_reuse(req.cache_reuse) and plan.backend != "llamacpp":  # before a model loads for nothing
         raise UserError(f"--cache-reuse is llama.cpp's shift-based chunk reuse and the plan runs on {plan.backend}; "
                         "add --backend llamacpp or drop --cache-reuse")

@@ -82,3 +82,11 @@ def test_run_uses_the_plan_by_default(cli):
     r = cli("run", "--backend", "fake", "--json", "hello there")
     assert r.code == 0, r.err
     assert json.loads(r.out)["policy"] == "fp16"
+
+
+def test_plan_refuses_a_named_policy_its_backend_cannot_run_as_run_does(cli):
+    r = cli("plan", "-m", "llama-3-8b-q4", "--hardware", "cpu-24gb", "--backend", "llamacpp", "--kv", "int4+res128")
+    assert r.code == 2 and "backend llamacpp cannot run KV policy int4+res128" in r.err
+    assert "residual" in r.err and len(r.err.strip().splitlines()) == 1
+    ok = cli("plan", "-m", "llama-3-8b-q4", "--hardware", "cpu-24gb", "--backend", "llamacpp", "--kv", "k8v4")
+    assert ok.code == 0 and "q8_0 keys, q4_0 values" in ok.out
