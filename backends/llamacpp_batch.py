@@ -57,14 +57,26 @@ def _sampler(params: GenerationParams):
     return chain
 
 
+@dataclass(frozen=True)
+class KVTypes:
+    """A context's K and V ggml types and flash attention, where they differ from the session's."""
+    type_k: int
+    type_v: int
+    flash_attn: bool
+
+
 class BatchDecoder:
     """One multi-sequence llama.cpp context for one group of prompts."""
 
-    def __init__(self, llm, n_ctx: int, n_seqs: int, n_batch: int):
+    def __init__(self, llm, n_ctx: int, n_seqs: int, n_batch: int, kv: KVTypes | None = None):
         import llama_cpp
 
         self.llama_cpp = llama_cpp
         params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
+        if kv is not None:
+            params.type_k, params.type_v = kv.type_k, kv.type_v
+            params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if kv.flash_attn
+                                      else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.n_ctx = n_ctx
         params.n_seq_max = n_seqs
         params.kv_unified = False  # one KV stream per sequence: n_ctx / n_seqs cells each

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
-from localctx.backends.llamacpp_batch import _CTX_ROUND, BatchDecoder, _Sequence, _sampler
+from localctx.backends import llamacpp_shift
+from localctx.backends.llamacpp_alloc import held_bytes
+from localctx.backends.llamacpp_batch import _CTX_ROUND, BatchDecoder, KVTypes, _Sequence, _sampler
 from localctx.backends.llamacpp_chunk_reuse import move_runs, plan_moves
 from localctx.backends.slots import Slot, choose_slot, common_prefix
 from localctx.backends.streaming import KVProbe, stream
@@ -51,16 +53,21 @@ def open_slots(ref, plan, n_slots: int, chunk_reuse: int = 0) -> "LlamaSlots":
 
 
 class LlamaSlots:
-    def __init__(self, session, n_slots: int, chunk_reuse: int = 0):
-        """``chunk_reuse``: move cached runs of at least this many tokens into place (0: off)."""
+    def __init__(self, session, n_slots: int, chunk_reuse: int = 0, plan=None):
+        """``chunk_reuse``: move cached runs of at least this many tokens into place (0: off).
+        ``plan``: the slots' KV policy and context when not the session's (serve's per-request
+        lanes, app/serve/lanes.py): a context of its own on the same weights, with its K and V types."""
         self.chunk_reuse = chunk_reuse
         self.session = session
-        per_slot = session.plan.context // n_slots // _CTX_ROUND * _CTX_ROUND
+        self.plan = plan or session.plan
+        self.settings = llamacpp_shift.settings_for(self.plan, llamacpp_shift.local_calibration())
+        per_slot = self.plan.context // n_slots // _CTX_ROUND * _CTX_ROUND
         if per_slot < _CTX_ROUND:
-            raise UserError(f"--context {session.plan.context:,} split over --parallel {n_slots} leaves less than "
+            raise UserError(f"--context {self.plan.context:,} split over --parallel {n_slots} leaves less than "
                             f"{_CTX_ROUND} tokens a slot; give a larger --context or a smaller --parallel")
         self.per_slot = per_slot
-        self.decoder = BatchDecoder(session.llm, per_slot * n_slots, n_slots, n_batch=session.llm.n_batch)
+        self.decoder = BatchDecoder(session.llm, per_slot * n_slots, n_slots, n_batch=session.llm.n_batch,
+                                    kv=KVTypes(*self.settings.type_ids(), self.settings.flash_attn))
         self.decoder.prefilled = True  # prompts are prefilled here, one at a time as they arrive
         self.llama_cpp = self.decoder.llama_cpp
         self.slots = [Slot(i) for i in range(n_slots)]
@@ -104,7 +111,7 @@ class LlamaSlots:
         s = self.session
         ids = s.tokenize(prompt)
         try:
-            check_prompt_fits(len(ids), dataclasses.replace(s.plan, context=self.per_slot), s.spec, params.max_tokens)
+            check_prompt_fits(len(ids), dataclasses.replace(self.plan, context=self.per_slot), s.spec, params.max_tokens)
         except UserError as exc:
             raise UserError(f"{exc} (each of the server's {len(self.slots)} slots holds {self.per_slot:,} tokens; "
                             "a server with a smaller --parallel gives each more)") from None
@@ -123,11 +130,11 @@ class LlamaSlots:
         slot.busy = True
         seq = _Sequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=_sampler(params), n_past=reused)
         live = LiveStream(slot, seq)
-        clock = StatsClock(backend="llamacpp", policy=str(s.plan.policy), prompt_tokens=len(ids), cached_tokens=reused,
+        clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids), cached_tokens=reused,
                            shifted_tokens=sum(m.n for m in moves))
 
         def kv() -> tuple[int, int, int]:
-            return s.held_bytes(seq.n_past), seq.n_past, 0
+            return held_bytes(s.spec, self.settings.type_k, self.settings.type_v, seq.n_past), seq.n_past, 0
 
         live.events = stream(self._tokens(live), token_bytes=lambda t: s.llm.detokenize([t], special=False),
                              eos=s._eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)

@@ -91,7 +91,8 @@ def build_app(state: ServeState) -> Starlette:
         card = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "localctx",
                 "localctx": {"trained_context": state.spec.context_length, "context": plan.context,
                              "plan": plan.to_dict(), "slots": scheduler.streams.capacity,
-                             "batching": scheduler.streams.batching}}
+                             "batching": scheduler.streams.batching, "kv_budget": scheduler.streams.budget,
+                             "lanes": scheduler.streams.describe()}}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def count_tokens(request: Request) -> Response:
@@ -113,7 +114,7 @@ def build_app(state: ServeState) -> Starlette:
             try:
                 _check_key(state, request)
                 body = await _read_json(state, request)
-                parsed = protocol.parse(body, chat, state.model_id, state.plan)
+                parsed = protocol.parse(body, chat, state.model_id, state.plan, state.spec.context_length)
                 return await _serve(state, request, parsed)
             except ApiError as err:
                 return error_response(err)
@@ -144,7 +145,7 @@ async def _serve(state: ServeState, request: Request, parsed: protocol.ParsedReq
             pass
 
     job = ServeJob(prompt=parsed.prompt, params=parsed.params, emit=emit, context=parsed.context,
-                   timeout_s=state.request_timeout_s)
+                   policy=parsed.policy, timeout_s=state.request_timeout_s)
     if not state.scheduler.submit(job):
         raise ApiError(503, f"the server is busy ({state.scheduler.limits.max_queue} requests waiting); retry "
                             "after the Retry-After seconds", type="server_error", code="queue_full",
@@ -171,7 +172,13 @@ async def _serve(state: ServeState, request: Request, parsed: protocol.ParsedReq
             raise _from_refused(item)
         event = item
         pieces.append(event.text)
-    return JSONResponse(protocol.whole(ids, "".join(pieces), event, state.plan, parsed.context, job.timed_out))
+    return JSONResponse(protocol.whole(ids, "".join(pieces), event, _plan_of(state, job), parsed.context,
+                                       job.timed_out))
+
+
+def _plan_of(state: ServeState, job: ServeJob) -> Plan:
+    """The plan of the lane the job ran in (its KV policy and context), else the served one."""
+    return job.lane.plan if job.lane is not None else state.plan
 
 
 async def _next(inbox: asyncio.Queue, request: Request, job: ServeJob):
@@ -207,7 +214,7 @@ async def _sse(state: ServeState, ids: protocol.Ids, parsed: protocol.ParsedRequ
                 return
             event = item
         final = protocol.chunk(ids, event.text or None, reason=protocol.finish_reason(event, job.timed_out))
-        final["localctx"] = protocol.extension(event, state.plan, parsed.context, job.timed_out)
+        final["localctx"] = protocol.extension(event, _plan_of(state, job), parsed.context, job.timed_out)
         yield _sse_line(final)
         if parsed.include_usage:
             yield _sse_line({**protocol.chunk(ids, None), "choices": [], "usage": protocol.usage(event)})

@@ -38,6 +38,7 @@ class ParsedRequest:
     include_usage: bool
     context: int | None  # from the localctx extension
     chat: bool
+    policy: KVPolicy | None = None  # from the localctx extension; None: the served policy
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -106,7 +107,7 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse(body: dict, chat: bool, model_id: str, plan: Plan) -> ParsedRequest:
+def parse(body: dict, chat: bool, model_id: str, plan: Plan, trained_context: int) -> ParsedRequest:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")
@@ -125,40 +126,37 @@ def parse(body: dict, chat: bool, model_id: str, plan: Plan) -> ParsedRequest:
     if params.top_p == 0:
         params = GenerationParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
     options = body.get("stream_options") or {}
-    context = _extension(body.get("localctx"), plan)
+    policy, context = _extension(body.get("localctx"), plan, trained_context)
     prompt = parse_prompt(body, chat)
     return ParsedRequest(prompt=prompt, params=params, stream=bool(body.get("stream")),
                          include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
-                         context=context, chat=chat)
+                         context=context, chat=chat, policy=policy)
 
 
-def _extension(ext, plan: Plan) -> int | None:
-    """``"localctx": {"kv": POLICY, "context": N}``: the served plan's policy (another one is
-    refused: one process holds one KV layout) and a context up to the plan's."""
+def _extension(ext, plan: Plan, trained_context: int) -> tuple[KVPolicy | None, int | None]:
+    """``"localctx": {"kv": POLICY, "context": N}``: a KV policy (the scheduler finds or opens a
+    lane for it, or refuses it: app/serve/lanes.py) and a context up to the served one."""
     if ext is None:
-        return None
+        return None, None
     if not isinstance(ext, dict):
         raise _bad("'localctx' must be an object like {\"kv\": \"int8\", \"context\": 8192}", "localctx")
-    kv = ext.get("kv")
+    kv, policy = ext.get("kv"), None
     if kv is not None:
         try:
             policy = KVPolicy.parse(str(kv))
         except (UserError, ValueError) as exc:
             raise _bad(f"localctx.kv: {exc}", "localctx.kv") from None
-        if str(policy) != str(plan.policy):
-            raise _bad(f"localctx.kv {policy} differs from the served KV policy {plan.policy}; send "
-                       f"\"kv\": \"{plan.policy}\" or omit it, or start another server with "
-                       f"localctx serve --kv {policy}", "localctx.kv", "kv_policy_unavailable")
     context = ext.get("context")
     if context is None:
-        return None
+        return policy, None
     if isinstance(context, bool) or not isinstance(context, int) or context < 16:
         raise _bad("localctx.context must be a whole number of tokens, at least 16", "localctx.context")
     if context > plan.context:
-        raise _bad(f"localctx.context {context:,} is more than the server's context of {plan.context:,} tokens; "
-                   f"give at most {plan.context:,}, or start the server with --context {context}",
-                   "localctx.context", "context_unavailable")
-    return context
+        raise _bad(f"localctx.context {context:,} is more than the server's context of {plan.context:,} tokens "
+                   f"(the model's trained context is {trained_context:,}); give at most {plan.context:,}, or start "
+                   f"the server with --context {min(context, trained_context)}", "localctx.context",
+                   "context_unavailable")
+    return policy, context
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -178,7 +176,8 @@ def usage(event: GenerationEvent) -> dict:
 
 def extension(event: GenerationEvent, plan: Plan, context: int | None, timed_out: bool) -> dict:
     s = event.stats
-    return {"policy": s.policy, "exact": plan.exact, "kv_bytes": s.kv_bytes, "kv_tokens": s.kv_tokens,
+    return {"policy": s.policy, "exact": plan.exact, "kv_layout": plan.kv_layout, "kv_reserved_bytes": plan.kv_bytes,
+            "kv_bytes": s.kv_bytes, "kv_tokens": s.kv_tokens,
             "evicted_tokens": s.evicted_tokens, "cached_tokens": s.cached_tokens, "shifted_tokens": s.shifted_tokens,
             "context": context or plan.context, "backend": s.backend,
             "finish": "timeout" if timed_out else event.finish_reason,

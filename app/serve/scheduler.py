@@ -15,8 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from localctx.app.serve.lanes import Lane, LaneRefused, Lanes
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, Session, check_prompt_fits
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,13 @@ class ServeJob:
     params: GenerationParams
     emit: Callable[[object], None]
     context: int | None = None  # the request's own context limit (at most the plan's)
+    policy: KVPolicy | None = None  # the request's KV policy (localctx.kv); None: the served one
     timeout_s: float = 600.0
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     timed_out: bool = False
+    lane: Lane | None = None  # set when it starts: the lane it runs in, whose plan the response reports
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,12 @@ class Limits:
 
 class Scheduler:
     def __init__(self, session: Session, streams, limits: Limits = Limits()):
+        """``streams``: the first lane's stream source (streams.make_streams / open_streams); lanes for
+        other KV policies open beside it on demand (lanes.py)."""
+        from localctx.app.serve.streams import open_lanes
+
         self.session = session
-        self.streams = streams
+        self.streams: Lanes = open_lanes(session, streams, limits.retry_after_s)
         self.limits = limits
         self._waiting: deque[ServeJob] = deque()
         self._live: dict[int, ServeJob] = {}  # id(stream) -> job
@@ -146,8 +155,14 @@ class Scheduler:
     def _start(self, job: ServeJob) -> str:
         session = self.session
         try:
-            params = self._fit(job)
-            started = self.streams.start(job.prompt, params, job.cancel)
+            lane = self.streams.choose(job.policy, job.context)
+        except LaneRefused as r:
+            job.emit(Refused(r.status, r.message, type="server_error" if r.status >= 500 else "invalid_request_error",
+                             code=r.code, param="localctx.kv", retry_after=r.retry_after))
+            return "refused"
+        try:
+            params = self._fit(job, lane.plan)
+            started = lane.streams.start(job.prompt, params, job.cancel)
         except UserError as exc:
             job.emit(Refused(400, str(exc), code="context_length_exceeded" if "context" in str(exc) else None,
                              param="messages"))
@@ -158,6 +173,8 @@ class Scheduler:
         if started is None:
             return "wait"
         stream, first = started
+        self.streams.used(lane)
+        job.lane = lane
         job.started_at = time.monotonic()
         job.emit(first)
         if first.kind == "done":
@@ -166,12 +183,12 @@ class Scheduler:
             self._live[id(stream)] = job
         return "started"
 
-    def _fit(self, job: ServeJob) -> GenerationParams:
+    def _fit(self, job: ServeJob, lane_plan: Plan) -> GenerationParams:
         """Refuse a prompt that does not fit the request's context (never truncate it); cap the
         answer where that context ends."""
         if job.context is None:
             return job.params
-        plan = dataclasses.replace(self.session.plan, context=job.context)
+        plan = dataclasses.replace(lane_plan, context=job.context)
         n = self.session.count_tokens(job.prompt)
         check_prompt_fits(n, plan, self.session.spec, job.params.max_tokens)
         if plan.policy.evicts or job.params.max_tokens <= job.context - n:
@@ -186,13 +203,18 @@ class Scheduler:
                 job.cancel.set()
 
     def _step(self) -> None:
+        for lane in self.streams.busy_lanes():
+            self._step_lane(lane)
+
+    def _step_lane(self, lane: Lane) -> None:
         try:
-            events: list[tuple[object, GenerationEvent]] = self.streams.step()
+            events: list[tuple[object, GenerationEvent]] = lane.streams.step()
         except Exception as exc:
-            self.streams.cancel_all()
-            for job in self._live.values():
-                job.emit(Failed(f"{self.session.backend_name} failed mid-stream: {exc}"))
-            self._live.clear()
+            lane.streams.cancel_all()
+            for key, job in list(self._live.items()):
+                if job.lane is lane:
+                    job.emit(Failed(f"{self.session.backend_name} failed mid-stream: {exc}"))
+                    del self._live[key]
             return
         for stream, event in events:
             job = self._live.get(id(stream))

@@ -158,4 +158,4 @@ def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> Tor
     engine = Engine(loaded.model, cache, EngineOptions(prefill_chunk=options.prefill_chunk))
     elem_bytes = torch.empty((), dtype=options.dtype).element_size()
     spec = dataclasses.replace(loaded.spec, kv_elem_bytes=elem_bytes, weight_bytes=loaded.model.weight_bytes())
-    return TorchSession(engine, loaded.tokenizer, spec, plan)
+    return TorchSession(engine, loaded.tokenizer, spec, plan, options)

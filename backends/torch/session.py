@@ -34,8 +34,11 @@ CONVERSATION = 0
 class TorchSession(Session):
     backend_name = "torch"
 
-    def __init__(self, engine: Engine, tokenizer: TextTokenizer, spec: ModelSpec, plan: Plan):
+    def __init__(self, engine: Engine, tokenizer: TextTokenizer, spec: ModelSpec, plan: Plan, options=None):
+        """``options``: the TorchOptions it was built with (serve builds sessions with other KV
+        policies on the same model with them: app/serve/streams.TorchLanes)."""
         self.engine = engine
+        self.options = options
         self.tokenizer = tokenizer
         self.spec = spec
         self.plan = plan
@@ -74,9 +77,14 @@ class TorchSession(Session):
         return KVProbe(read)
 
     def reset(self) -> None:
-        if self.engine.cache.has(CONVERSATION):
+        if self.engine.cache is not None and self.engine.cache.has(CONVERSATION):
             self.engine.cache.finish(CONVERSATION)
         self.history = []
+
+    def release_kv(self) -> None:
+        """Frees the KV pool (serve closing an idle lane); the session still tokenizes, nothing more."""
+        self.reset()
+        self.engine.cache = None
 
     def close(self) -> None:
         self.reset()

@@ -1,0 +1,199 @@
+"""Per-request KV policies: lanes on the one loaded model.
+
+A lane is a group of stream slots with one KV policy and one context, on the weights the server
+loaded once (torch: a session with its own KV pool on the shared model; llama.cpp: a context of
+its own on the shared ``llama_model``; the fake backend: a session of its own). The server starts
+with one lane, the plan it was started with; a request whose ``localctx.kv`` (or a smaller
+``localctx.context``) no open lane serves gets a lane made for it on demand.
+
+Every lane's KV counts against one budget: the started plan's KV bytes. A lane whose KV could
+never fit that budget is refused (400); one that fits only once busy lanes finish is refused
+with 503 and Retry-After; idle lanes are closed, least recently used first, to make room. A
+lane whose KV lives in the session the server keeps (``pinned``: llama.cpp serving one stream at
+a time, MLX) is never closed. Lanes run one after the other within a step: each reads the
+weights once for its streams (different KV layouts do not share one forward)."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from localctx.backends.planning import backend_view
+from localctx.kvcache.cost import format_bytes
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.spec import ModelSpec
+
+
+class LaneMaker(Protocol):
+    """What a backend gives the lanes: which policies it cannot serve per request (beyond the
+    backend's own refusals), how to open a lane's streams on the shared weights, and how to free them."""
+
+    def refusal(self, policy: KVPolicy) -> str | None: ...
+
+    def kv_bytes(self, plan: Plan) -> int | None: ...
+
+    def open(self, plan: Plan): ...
+
+    def release(self, streams) -> None: ...
+
+
+class LaneRefused(Exception):
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+
+@dataclass
+class Lane:
+    plan: Plan
+    streams: object  # SlotBatcher, LlamaSlots or SequentialStreams (app/serve/streams.py)
+    kv_bytes: int  # what the lane counts against the budget: the backend's allocation for plan
+    pinned: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        return self.streams.active > 0
+
+    def serves(self, policy: KVPolicy, context: int) -> bool:
+        return str(self.plan.policy) == str(policy) and self.plan.context >= context
+
+    def name(self) -> str:
+        return f"{self.plan.policy} at {self.plan.context:,} tokens"
+
+
+class Lanes:
+    def __init__(self, spec: ModelSpec, served: Plan, streams, maker: LaneMaker, pinned: bool, retry_after_s: int = 1):
+        self.spec = spec
+        self.served = served
+        self.maker = maker
+        self.retry_after_s = retry_after_s
+        self.view = backend_view(served.backend, spec)[0]
+        first = Lane(served, streams, self.lane_bytes(served), pinned)
+        self.budget = max(served.kv_bytes, first.kv_bytes)
+        self.lanes: list[Lane] = [first]
+        self.opened = 1
+        self._widest = 0
+
+    # -- what the HTTP side and the scheduler read ------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return max(lane.streams.capacity for lane in self.lanes) if self.lanes else 1
+
+    @property
+    def batching(self) -> bool:
+        return any(lane.streams.batching for lane in self.lanes)
+
+    @property
+    def active(self) -> int:
+        return sum(lane.streams.active for lane in self.lanes)
+
+    @property
+    def widest(self) -> int:
+        return max([self._widest, *(lane.streams.widest for lane in self.lanes)])
+
+    def used_bytes(self) -> int:
+        return sum(lane.kv_bytes for lane in self.lanes)
+
+    def describe(self) -> list[dict]:
+        return [{"policy": str(lane.plan.policy), "context": lane.plan.context, "kv_bytes": lane.kv_bytes,
+                 "active": lane.streams.active} for lane in self.lanes]
+
+    def lane_bytes(self, plan: Plan) -> int:
+        """The most KV a lane for ``plan`` holds: the backend's own count where it has one (torch's
+        windowed slots), else its allocation (llama.cpp's padded cells), else the cost model."""
+        own = self.maker.kv_bytes(plan)
+        return own if own is not None else self.view.kv_bytes(self.spec, plan.policy, plan.context)
+
+    # -- choosing and opening lanes ---------------------------------------------------------
+    def choose(self, policy: KVPolicy | None, context: int | None) -> Lane:
+        """The lane for a request: an open one that serves (policy, context), else a new one
+        within the budget. Raises LaneRefused (the HTTP status and the reason)."""
+        policy = policy or self.served.policy
+        want = context or self.served.context
+        fitting = [lane for lane in self.lanes if lane.serves(policy, want)]
+        if fitting:
+            return min(fitting, key=lambda lane: lane.plan.context)
+        self._check_runnable(policy)
+        plan = self._plan(policy, want)
+        if plan.kv_bytes > self.budget:
+            raise LaneRefused(400, f"KV policy {policy} at {want:,} tokens needs {format_bytes(plan.kv_bytes)} of KV, "
+                                   f"more than this server's KV budget of {format_bytes(self.budget)} (its plan: "
+                                   f"{self.served.policy} at {self.served.context:,} tokens); send a smaller "
+                                   "localctx.context or a smaller policy, or start a server with that --kv",
+                              "kv_budget_exceeded")
+        whole = self._plan(policy, self.served.context) if want < self.served.context else plan
+        if whole.kv_bytes <= self.budget - self.used_bytes():  # room for it without closing a lane: then a
+            plan = whole  # lane at the served context serves later requests of any context
+        need, want = plan.kv_bytes, plan.context
+        self._make_room(need, policy, want)
+        try:
+            streams = self.maker.open(plan)
+        except UserError as exc:
+            raise LaneRefused(400, f"KV policy {policy} at {want:,} tokens cannot be opened: {exc}",
+                              "kv_policy_unavailable") from None
+        lane = Lane(plan, streams, need)
+        self.lanes.append(lane)
+        self.opened += 1
+        return lane
+
+    def _check_runnable(self, policy: KVPolicy) -> None:
+        reasons = list(self.view.refusals(policy))
+        own = self.maker.refusal(policy)
+        if own:
+            reasons.append(own)
+        if reasons:
+            raise LaneRefused(400, f"backend {self.served.backend} cannot run KV policy {policy}: {'; '.join(reasons)}; "
+                                   f"send another localctx.kv or omit it (this server's plan is {self.served.policy})",
+                              "kv_policy_unavailable")
+
+    def _plan(self, policy: KVPolicy, context: int) -> Plan:
+        plan = Plan.fixed(self.served.backend, self.spec, policy, context, kv_layout=self.view.describe(policy),
+                          reason=f"KV policy {policy} from the request's localctx.kv")
+        plan = dataclasses.replace(plan, hardware=self.served.hardware)
+        return dataclasses.replace(plan, kv_bytes=self.lane_bytes(plan))
+
+    def _make_room(self, need: int, policy: KVPolicy, context: int) -> None:
+        idle = sorted((lane for lane in self.lanes if not lane.busy and not lane.pinned), key=lambda l: l.last_used)
+        free = self.budget - self.used_bytes()
+        if free + sum(lane.kv_bytes for lane in idle) < need:
+            held = ", ".join(f"{lane.name()} ({format_bytes(lane.kv_bytes)}"
+                             f"{', busy' if lane.busy else ''}{', kept' if lane.pinned else ''})" for lane in self.lanes)
+            later = free + sum(lane.kv_bytes for lane in self.lanes if not lane.pinned) >= need
+            when = "retry after the Retry-After seconds" if later else \
+                "the kept lane holds its KV in the session the server loaded; start a server with that --kv"
+            raise LaneRefused(503 if later else 400,
+                              f"KV policy {policy} at {context:,} tokens needs {format_bytes(need)} of KV and "
+                              f"{format_bytes(max(free, 0))} of the server's {format_bytes(self.budget)} is free "
+                              f"(held by {held}); {when}",
+                              "kv_budget_busy" if later else "kv_budget_exceeded", self.retry_after_s if later else None)
+        while free < need:
+            lane = idle.pop(0)
+            self.close_lane(lane)
+            free += lane.kv_bytes
+
+    def close_lane(self, lane: Lane) -> None:
+        self._widest = max(self._widest, lane.streams.widest)
+        self.lanes.remove(lane)
+        self.maker.release(lane.streams)
+
+    def used(self, lane: Lane) -> None:
+        lane.last_used = time.monotonic()
+
+    # -- the scheduler's loop ---------------------------------------------------------------
+    def busy_lanes(self) -> list[Lane]:
+        return [lane for lane in self.lanes if lane.busy]
+
+    def cancel_all(self) -> None:
+        for lane in self.lanes:
+            lane.streams.cancel_all()
+
+    def close(self) -> None:
+        for lane in list(self.lanes):
+            self.lanes.remove(lane)
+            lane.streams.close()
+            if not lane.pinned:
+                self.maker.release(lane.streams)
