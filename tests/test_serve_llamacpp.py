@@ -81,3 +81,31 @@ def test_a_server_holds_the_plans_kv_once_in_its_slots_not_again_in_the_session(
     finally:
         slots.close()
         session.close()
+
+
+def test_a_lane_of_another_policy_is_a_context_on_the_same_weights_with_its_kv_types(session):
+    """serve's per-request lanes (app/serve/lanes.py) on llama.cpp: a context of its own on the
+    loaded llama_model, with q8_0 keys and values for int8, counted at llama.cpp's row sizes."""
+    import dataclasses
+
+    from localctx.app.serve.streams import LlamaCppLanes
+    from localctx.backends.llamacpp_alloc import held_bytes
+    from localctx.kvcache.policy import KVPolicy
+
+    params = GenerationParams(max_tokens=6)
+    session.reset()
+    reference = [e.token for e in session.generate(PROMPTS[0], params) if e.kind == "token"]
+    lanes = LlamaCppLanes(session, parallel=2, chunk_reuse=0)
+    assert "context shift" in lanes.refusal(KVPolicy.parse("fp16+sink4+win512"))
+    assert lanes.refusal(KVPolicy.parse("int8")) is None
+    int8 = lanes.open(dataclasses.replace(session.plan, policy=KVPolicy.parse("int8")))
+    try:
+        assert int8.decoder.model is session.llm.model  # the weights are loaded once
+        started = int8.start(PROMPTS[0], params, None)
+        tokens, done = drain(int8, [started])[id(started[0])]
+        assert done.stats.policy == "int8" and tokens
+        assert done.stats.kv_bytes == held_bytes(session.spec, "q8_0", "q8_0", done.stats.kv_tokens)
+        assert done.stats.kv_bytes < session.held_bytes(done.stats.kv_tokens)  # fp16's bytes for as many tokens
+        assert tokens[0] == reference[0]  # the same model's logits for the same prompt
+    finally:
+        lanes.release(int8)

@@ -50,3 +50,25 @@ def test_a_prompt_past_the_context_is_refused(smollm2_server):
     msg = bad.value.body["message"]
     assert bad.value.body["code"] == "context_length_exceeded" and "context holds 512" in msg  # 1,024 over 2 slots
     assert "2 slots" in msg
+
+
+def test_a_request_policy_gets_a_lane_and_what_llama_cpp_cannot_run_is_refused(smollm2_server):
+    c = smollm2_server
+    with pytest.raises(openai.BadRequestError) as bad:  # fp16 at the served 1,024 tokens: twice int8's bytes
+        c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=4,
+                                  extra_body={"localctx": {"kv": "fp16"}})
+    assert bad.value.body["code"] == "kv_budget_exceeded"
+    fp16 = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=8, temperature=0,
+                                     extra_body={"localctx": {"kv": "fp16", "context": 512}})
+    ext = fp16.model_extra["localctx"]
+    assert ext["policy"] == "fp16" and ext["exact"] is True and ext["context"] == 512
+    assert ext["kv_layout"].startswith("exact") and fp16.choices[0].message.content.strip()
+    for kv, reason in (("int4+res128", "residual"), ("fp16+sink4+win512", "context shift")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=4,
+                                      extra_body={"localctx": {"kv": kv}})
+        assert bad.value.body["code"] == "kv_policy_unavailable" and reason in bad.value.body["message"]
+    lanes = c.models.list().data[0].model_extra["localctx"]["lanes"]
+    assert [(lane["policy"], lane["context"]) for lane in lanes] == [("fp16", 512)]  # int8 (idle) made room
+    again = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=4)
+    assert again.model_extra["localctx"]["policy"] == "int8"
