@@ -43,8 +43,13 @@ def test_against_localctx_serve_the_plan_and_kv_policy_pass_through(localctx_ser
     done = events[-1]
     assert done.kind == "done" and done.finish_reason == "length" and done.stats.generated_tokens == 5
     assert done.stats.kv_bytes > 0 and done.stats.policy == "int8+sink4+win512"
-    with pytest.raises(UserError, match="serves KV policy int8"):
-        open_remote(RemoteRequest(endpoints=(localctx_server,), kv="fp16"))
+    lane = open_remote(RemoteRequest(endpoints=(localctx_server,), kv="int4+sink4+win256"))  # a lane on the server
+    assert str(lane.plan.policy) == "int4+sink4+win256" and "lane" in lane.plan.reasons[0]
+    done = list(lane.generate(QUESTION, GenerationParams(max_tokens=3)))[-1]
+    assert done.stats.policy == "int4+sink4+win256" and done.stats.generated_tokens == 3
+    over = open_remote(RemoteRequest(endpoints=(localctx_server,), kv="fp16"))  # over the server's KV budget
+    with pytest.raises(UserError, match="KV budget"):
+        list(over.generate(QUESTION, GenerationParams(max_tokens=3)))
     with pytest.raises(UserError, match="does not serve"):
         open_remote(RemoteRequest(endpoints=(localctx_server,), model="other"))
 

@@ -110,8 +110,7 @@ def remote_plan(endpoints: list[Endpoint], req: RemoteRequest) -> tuple[Plan, Mo
     served = ext.get("plan") or {}
     policy = KVPolicy.parse(str(served.get("policy", "fp16")))
     if req.kv and str(KVPolicy.parse(req.kv)) != str(policy):
-        raise UserError(f"{first.url} serves KV policy {policy}, not {KVPolicy.parse(req.kv)}; drop --kv, or start "
-                        f"that server with localctx serve --kv {req.kv}")
+        return _lane_plan(endpoints, req, ext)
     context = min(int((e.localctx or {}).get("context", 0)) for e in endpoints)
     if req.context and req.context > context:
         raise UserError(f"--context {req.context:,} is more than {first.url} holds ({context:,}); give at most that")
@@ -122,6 +121,26 @@ def remote_plan(endpoints: list[Endpoint], req: RemoteRequest) -> tuple[Plan, Mo
                 kv_layout=str(served.get("kv_layout", "")),
                 reasons=[f"planned by localctx serve at {first.url} (backend {served.get('backend')})",
                          *[str(r) for r in served.get("reasons", [])]])
+    send = {"kv": str(policy), **({"context": req.context} if req.context else {})}
+    return plan, _spec(first.model, int(ext.get("trained_context") or context)), send
+
+
+def _lane_plan(endpoints: list[Endpoint], req: RemoteRequest, ext: dict) -> tuple[Plan, ModelSpec, dict]:
+    """--kv other than the server's plan: localctx serve runs it in a lane of its own on the same
+    weights, within its plan's KV budget (docs/serve.md), or refuses it with the reason when asked."""
+    first, names = endpoints[0], ", ".join(e.url for e in endpoints)
+    served = ext.get("plan") or {}
+    policy = KVPolicy.parse(req.kv)
+    context = min(int((e.localctx or {}).get("context", 0)) for e in endpoints)
+    if req.context and req.context > context:
+        raise UserError(f"--context {req.context:,} is more than {first.url} holds ({context:,}); give at most that")
+    context = req.context or context
+    budget = int(ext.get("kv_budget") or served.get("kv_bytes") or 0)
+    plan = Plan(backend="openai", policy=policy, context=context, kv_bytes=0, hardware=f"remote: {names}",
+                kv_layout="the server's lane for this policy (its layout and KV bytes come with each answer)",
+                reasons=[f"KV policy {policy} from --kv: localctx serve at {first.url} runs it in a lane beside its "
+                         f"plan ({served.get('policy')}), within that plan's KV budget of {budget:,} bytes, or "
+                         "refuses it with the reason"])
     send = {"kv": str(policy), **({"context": req.context} if req.context else {})}
     return plan, _spec(first.model, int(ext.get("trained_context") or context)), send
 
