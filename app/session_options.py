@@ -26,6 +26,10 @@ def add_session_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", action="append", default=[], metavar="URL",
                         help="with --backend openai: an OpenAI-compatible server (repeatable; key from "
                              "$LOCALCTX_OPENAI_API_KEY)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="with --backend openai: seconds to wait for the server's next bytes before giving up "
+                             "with an error (default 600); localctx serve: the most seconds a request may queue "
+                             "and generate (default 600)")
     parser.add_argument("--kv", default=None, metavar="POLICY",
                         help="KV policy, e.g. fp16, int8, int4+res128, int4+sink4+win4096 (default: planned)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
@@ -52,12 +56,14 @@ class SessionRequest:
     endpoints: tuple[str, ...] = ()  # --backend openai: the servers
     prompt_cache: bool = False  # keep long prompts' KV on disk (run, chat, summarize)
     cache_reuse: int = 0  # llama.cpp: move cached runs of at least this many tokens into place (0: off)
+    timeout: float | None = None  # --backend openai: seconds to wait for the server's next bytes
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, prompt_cache: bool = False, cache_reuse: int = 0) -> "SessionRequest":
         return cls(model=args.model, backend=args.backend, kv=args.kv, context=args.context,
                    min_tok_s=args.min_tok_s, exact=args.exact, max_memory=args.max_memory,
-                   endpoints=tuple(args.endpoint), prompt_cache=prompt_cache, cache_reuse=cache_reuse)
+                   endpoints=tuple(args.endpoint), prompt_cache=prompt_cache, cache_reuse=cache_reuse,
+                   timeout=args.timeout)
 
     def plan_request(self) -> PlanRequest:
         return PlanRequest(context=self.context, min_tok_s=self.min_tok_s, exact=self.exact,
@@ -70,7 +76,10 @@ def remote_request(req: SessionRequest):
     if req.exact or req.min_tok_s or req.max_memory:
         raise UserError("--exact, --min-tok-s and --max-memory plan a local model; with --backend openai the "
                         "server plans (localctx serve) or keeps its own settings")
-    return RemoteRequest(endpoints=req.endpoints, model=req.model, kv=req.kv, context=req.context)
+    if req.timeout is not None and req.timeout <= 0:
+        raise UserError(f"--timeout {req.timeout} must be more than 0 seconds")
+    return RemoteRequest(endpoints=req.endpoints, model=req.model, kv=req.kv, context=req.context,
+                         **({"timeout_s": req.timeout} if req.timeout else {}))
 
 
 def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
@@ -81,6 +90,9 @@ def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
         return ModelRef("remote", remote_ref_path(session.model), session.model, "endpoint"), session.spec
     if req.endpoints:
         raise UserError("--endpoint is for --backend openai; add --backend openai or drop --endpoint")
+    if req.timeout is not None:
+        raise UserError("--timeout bounds the wait for a server (--backend openai); a local model has none to "
+                        "bound: drop --timeout")
     ref = resolve(req.model if req.backend != "fake" or req.model else "fake")
     spec = FAKE_SPEC if ref.kind == "fake" else read_spec(ref)
     return ref, spec

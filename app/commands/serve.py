@@ -3,6 +3,7 @@ behind it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -14,6 +15,7 @@ from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 
 KEY_ENV = "LOCALCTX_API_KEY"
+REQUEST_TIMEOUT_S = 600.0  # --timeout: the most seconds a request may queue and generate
 
 
 def register(sub) -> None:
@@ -35,8 +37,6 @@ def register(sub) -> None:
                    help="requests that may wait; more are answered 503 with Retry-After (default 32)")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
                    help="largest request body; larger ones get 413 (default 4 MiB)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
-                   help="most seconds a request may queue and generate (default 600)")
     p.set_defaults(handler=handle)
 
 
@@ -61,7 +61,7 @@ def check_args(args: argparse.Namespace, api_key: str | None) -> None:
             raise UserError(f"{name} {value} must be at least {low}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a port; give 0..65535")
-    if args.timeout <= 0:
+    if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout} must be more than 0 seconds")
 
 
@@ -92,13 +92,14 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.serve.scheduler import Limits, Scheduler
     from localctx.app.serve.streams import open_streams
 
-    req = SessionRequest.from_args(args, cache_reuse=args.cache_reuse)
+    req = dataclasses.replace(SessionRequest.from_args(args, cache_reuse=args.cache_reuse), timeout=None)
     ref, _spec = resolve_model(req)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
     session, streams = open_streams(plan_session(req), args.parallel)
     scheduler = Scheduler(session, streams, Limits(max_queue=args.queue))
     state = ServeState(scheduler=scheduler, model_id=ref.name, spec=session.spec, plan=session.plan,
-                       api_key=api_key, max_body_bytes=args.max_body, request_timeout_s=args.timeout)
+                       api_key=api_key, max_body_bytes=args.max_body,
+                       request_timeout_s=REQUEST_TIMEOUT_S if args.timeout is None else args.timeout)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     plan = session.plan

@@ -47,8 +47,8 @@ class Client:
     timeout_s: float = READ_TIMEOUT_S
 
     @classmethod
-    def for_url(cls, url: str) -> "Client":
-        return cls(base_url(url), os.environ.get(KEY_ENV) or None)
+    def for_url(cls, url: str, timeout_s: float = READ_TIMEOUT_S) -> "Client":
+        return cls(base_url(url), os.environ.get(KEY_ENV) or None, timeout_s)
 
     @property
     def root(self) -> str:

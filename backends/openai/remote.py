@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, GenerationStats,
                                     Prompt, Session)
-from localctx.backends.openai.client import KEY_ENV, Client, EndpointDown, RequestRefused
+from localctx.backends.openai.client import KEY_ENV, READ_TIMEOUT_S, Client, EndpointDown, RequestRefused
 from localctx.kvcache.errors import RuntimeFailure, UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -52,8 +52,8 @@ class Endpoint:
             return 0
 
 
-def discover(url: str, model: str | None) -> Endpoint:
-    client = Client.for_url(url)
+def discover(url: str, model: str | None, timeout_s: float = READ_TIMEOUT_S) -> Endpoint:
+    client = Client.for_url(url, timeout_s)
     try:
         listing = client.get("/v1/models")
     except EndpointDown as exc:
@@ -82,6 +82,7 @@ class RemoteRequest:
     model: str | None = None
     kv: str | None = None
     context: int | None = None
+    timeout_s: float = READ_TIMEOUT_S  # --timeout: the longest wait for the server's next bytes
 
 
 def remote_plan(endpoints: list[Endpoint], req: RemoteRequest) -> tuple[Plan, ModelSpec, dict | None]:
@@ -211,7 +212,7 @@ class RemoteSession(Session):
         now = time.perf_counter()
         first = clock.first or now
         return GenerationStats(
-            backend="openai", policy=str(self.plan.policy) if self.is_localctx else "server's",
+            backend="openai", policy=str(ext.get("policy") or self.plan.policy) if self.is_localctx else "server's",
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0),
             generated_tokens=int(usage.get("completion_tokens", clock.generated)),
@@ -287,7 +288,7 @@ class RemoteBackend(Backend):
 def open_remote(req: RemoteRequest) -> RemoteSession:
     if not req.endpoints:
         raise UserError("--backend openai needs --endpoint URL (repeatable), e.g. --endpoint http://127.0.0.1:8080")
-    endpoints = [discover(url, req.model) for url in req.endpoints]
+    endpoints = [discover(url, req.model, req.timeout_s) for url in req.endpoints]
     models = {e.model for e in endpoints}
     if len(models) > 1:
         raise UserError(f"the endpoints serve different models ({', '.join(sorted(models))}); give -m to pick one")
