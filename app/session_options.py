@@ -147,8 +147,11 @@ class PlannedSession:
     plan: Plan
     prompt_cache: bool = False  # keep long prompts' KV on disk
     cache_reuse: int = 0  # llama.cpp's shift-based chunk reuse, runs of at least this many tokens (0: off)
+    opened: Session | None = None  # --backend openai: the remote session planning already opened
 
     def load(self) -> Session:
+        if self.opened is not None:
+            return self.opened
         session = registry.get(self.plan.backend).load(self.ref, self.plan)
         if self.prompt_cache and self.ref.kind != "fake":
             session.enable_prompt_cache(self.ref.path)  # a backend without one just says why; nothing to tell here
@@ -168,7 +171,14 @@ def refuse_unrunnable(plan: Plan, spec: ModelSpec) -> None:
 
 
 def plan_session(req: SessionRequest) -> PlannedSession:
-    """Resolves and plans; a bad model, policy or backend is refused here, before anything loads."""
+    """Resolves and plans; a bad model, policy or backend is refused here, before anything loads.
+    With --backend openai the servers are asked here, and load() hands back that remote session."""
+    if req.backend == "openai":
+        from localctx.backends.openai.remote import open_remote, remote_ref_path
+
+        remote = open_remote(remote_request(req))
+        ref = ModelRef("remote", remote_ref_path(remote.model), remote.model, "endpoint")
+        return PlannedSession(ref, remote.spec, remote.plan, opened=remote)
     ref, spec = resolve_model(req)
     plan = make_plan(req, spec)
     refuse_unrunnable(plan, spec)
