@@ -11,7 +11,8 @@ that extends the conversation removes only the cells past the common prefix
 (``llama_memory_seq_rm``) and prefills the rest; with ``chunk_reuse`` (``--cache-reuse N``) a
 follow-up that drops a middle message also keeps the cached runs after it, moved into place
 (backends/llamacpp_chunk_reuse.py; lossy). Windowed policies (context shift) are not
-batched here; they are served one stream at a time."""
+batched here; they are served one stream at a time. Slots given a ``plan`` of their own (serve's
+per-request KV policies, app/serve/lanes.py) open their context with that plan's K and V types."""
 from __future__ import annotations
 
 import dataclasses
@@ -111,7 +112,8 @@ class LlamaSlots:
         s = self.session
         ids = s.tokenize(prompt)
         try:
-            check_prompt_fits(len(ids), dataclasses.replace(self.plan, context=self.per_slot), s.spec, params.max_tokens)
+            slot_plan = dataclasses.replace(self.plan, context=self.per_slot)
+            check_prompt_fits(len(ids), slot_plan, s.spec, params.max_tokens)
         except UserError as exc:
             raise UserError(f"{exc} (each of the server's {len(self.slots)} slots holds {self.per_slot:,} tokens; "
                             "a server with a smaller --parallel gives each more)") from None
@@ -130,8 +132,8 @@ class LlamaSlots:
         slot.busy = True
         seq = _Sequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=_sampler(params), n_past=reused)
         live = LiveStream(slot, seq)
-        clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids), cached_tokens=reused,
-                           shifted_tokens=sum(m.n for m in moves))
+        clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
+                           cached_tokens=reused, shifted_tokens=sum(m.n for m in moves))
 
         def kv() -> tuple[int, int, int]:
             return held_bytes(s.spec, self.settings.type_k, self.settings.type_v, seq.n_past), seq.n_past, 0

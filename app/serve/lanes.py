@@ -146,7 +146,8 @@ class Lanes:
         if own:
             reasons.append(own)
         if reasons:
-            raise LaneRefused(400, f"backend {self.served.backend} cannot run KV policy {policy}: {'; '.join(reasons)}; "
+            raise LaneRefused(400, f"backend {self.served.backend} cannot run KV policy {policy}: "
+                                   f"{'; '.join(reasons)}; "
                                    f"send another localctx.kv or omit it (this server's plan is {self.served.policy})",
                               "kv_policy_unavailable")
 
@@ -160,8 +161,8 @@ class Lanes:
         idle = sorted((lane for lane in self.lanes if not lane.busy and not lane.pinned), key=lambda l: l.last_used)
         free = self.budget - self.used_bytes()
         if free + sum(lane.kv_bytes for lane in idle) < need:
-            held = ", ".join(f"{lane.name()} ({format_bytes(lane.kv_bytes)}"
-                             f"{', busy' if lane.busy else ''}{', kept' if lane.pinned else ''})" for lane in self.lanes)
+            held = ", ".join(f"{lane.name()} ({format_bytes(lane.kv_bytes)}{', busy' if lane.busy else ''}"
+                             f"{', kept' if lane.pinned else ''})" for lane in self.lanes)
             later = free + sum(lane.kv_bytes for lane in self.lanes if not lane.pinned) >= need
             when = "retry after the Retry-After seconds" if later else \
                 "the kept lane holds its KV in the session the server loaded; start a server with that --kv"
@@ -169,7 +170,8 @@ class Lanes:
                               f"KV policy {policy} at {context:,} tokens needs {format_bytes(need)} of KV and "
                               f"{format_bytes(max(free, 0))} of the server's {format_bytes(self.budget)} is free "
                               f"(held by {held}); {when}",
-                              "kv_budget_busy" if later else "kv_budget_exceeded", self.retry_after_s if later else None)
+                              "kv_budget_busy" if later else "kv_budget_exceeded",
+                              self.retry_after_s if later else None)
         while free < need:
             lane = idle.pop(0)
             self.close_lane(lane)
