@@ -113,6 +113,38 @@ def test_a_lane_that_fits_only_once_busy_lanes_finish_is_503_with_retry_after():
         assert ask(c, kv="fp16", context=1024).model_extra["localctx"]["policy"] == "fp16"
 
 
+def test_two_lanes_stream_at_once_and_a_lane_that_breaks_fails_only_its_own_requests():
+    with serve_in_thread(fake_session("fp16", context=4096, delay=0.1), "fake") as (url, scheduler):
+        c = client(url)  # int4 and the window together fit the fp16 plan's budget (the idle fp16 lane makes room)
+        results: dict = {}
+
+        def run(name: str, kv: str | None) -> None:
+            try:
+                results[name] = ask(c, kv=kv, max_tokens=40).choices[0].message.content
+            except openai.APIStatusError as exc:
+                results[name] = exc
+
+        threads = [threading.Thread(target=run, args=("int4", "int4")),
+                   threading.Thread(target=run, args=("window", "fp16+sink4+win256"))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while scheduler.load()["active"] < 2:  # two lanes, one stream each, decoding in the same steps
+            assert time.monotonic() < deadline, "the two lanes never streamed together"
+            time.sleep(0.01)
+        window = next(lane for lane in scheduler.streams.lanes if lane.plan.policy.evicts)
+
+        def broken_step():
+            raise RuntimeError("the window lane broke")
+
+        window.streams.step = broken_step
+        for t in threads:
+            t.join(30)
+    assert isinstance(results["window"], openai.InternalServerError)
+    assert "the window lane broke" in results["window"].body["message"]
+    assert results["int4"].startswith("Reply: where do the sinks")  # the other lane went on
+
+
 # -- torch: lanes share the loaded model ------------------------------------------------------
 OPTIONS = TorchOptions(device="cpu", dtype=torch.float32, block_size=8)
 PROMPT = [{"role": "user", "content": "the tent in the sea"}]

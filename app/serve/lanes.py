@@ -66,7 +66,8 @@ class Lane:
 
 
 class Lanes:
-    def __init__(self, spec: ModelSpec, served: Plan, streams, maker: LaneMaker, pinned: bool, retry_after_s: int = 1):
+    def __init__(self, spec: ModelSpec, served: Plan, streams, maker: LaneMaker, pinned: bool,
+                 retry_after_s: int = 1):
         self.spec = spec
         self.served = served
         self.maker = maker
@@ -188,10 +189,6 @@ class Lanes:
     # -- the scheduler's loop ---------------------------------------------------------------
     def busy_lanes(self) -> list[Lane]:
         return [lane for lane in self.lanes if lane.busy]
-
-    def cancel_all(self) -> None:
-        for lane in self.lanes:
-            lane.streams.cancel_all()
 
     def close(self) -> None:
         for lane in list(self.lanes):
