@@ -94,7 +94,9 @@ from localctx.app.session_options import SessionRequest, make_plan
 from localctx.backends.base import GenerationEvent, GenerationParams, GenerationStats
 from localctx.backends.fake import FAKE_SPEC, FakeBackend
 from localctx.backends.modelref import resolve
+from localctx.backends.registry import register
 
+register("fake", "localctx.backends.fake:FakeBackend")  # the test double is not a CLI backend
 tokens, rate = int(sys.argv[1]), float(sys.argv[2])
 os.environ["LOCALCTX_DATA_DIR"] = tempfile.mkdtemp()
 plan = make_plan(SessionRequest(model=None, backend="fake"), FAKE_SPEC)
@@ -107,8 +109,10 @@ def story(prompt, params=GenerationParams(), cancel=None):
     for i in range(tokens):
         time.sleep(max(0.0, start + (i + 1) / rate - time.perf_counter()))
         text = f"word{i % 97}" + (".\n\n" if i % 40 == 39 else " ")
-        yield GenerationEvent("token", GenerationStats("fake", "fp16", 10, 0, i + 1, 0.01, (i + 1) / rate), text=text)
-    yield GenerationEvent("done", GenerationStats("fake", "fp16", 10, 0, tokens, 0.01, tokens / rate),
+        yield GenerationEvent("token", GenerationStats("fake", "fp16", prompt_tokens=10, generated_tokens=i + 1,
+                                                          prefill_s=0.01, decode_s=(i + 1) / rate), text=text)
+    yield GenerationEvent("done", GenerationStats("fake", "fp16", prompt_tokens=10, generated_tokens=tokens,
+                                                   prefill_s=0.01, decode_s=tokens / rate),
                           finish_reason="stop")
 session.generate = story
 app = ChatApp(ChatSetup(load=lambda: session, plan=plan, model="fake", reopen=None, history=History.open()[0]))
