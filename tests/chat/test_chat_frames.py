@@ -142,11 +142,12 @@ def test_pacer_spaces_frames_by_what_drawing_them_costs():
     pacer.drawn()
     assert pacer.interval == FRAME_INTERVAL
     now["wall"] += FRAME_INTERVAL
-    now["cpu"] += 0.03  # a frame that took 30 ms of the UI thread: the next one waits 30 ms / UI_SHARE
+    cost = 0.5 * MAX_INTERVAL * UI_SHARE  # a costly frame: the next one waits cost / UI_SHARE
+    now["cpu"] += cost
     pacer.drawn()
-    assert pacer.interval == pytest.approx(0.03 / UI_SHARE)
+    assert pacer.interval == pytest.approx(cost / UI_SHARE) and FRAME_INTERVAL < pacer.interval < MAX_INTERVAL
     now["wall"] += 0.01
-    assert pacer.wait() == pytest.approx(0.03 / UI_SHARE - 0.01)
+    assert pacer.wait() == pytest.approx(cost / UI_SHARE - 0.01)
     now["wall"] += 5
     now["cpu"] += 2.0  # however slow, the answer still moves once per MAX_INTERVAL
     pacer.drawn()
