@@ -70,15 +70,17 @@ async def go():
         prompt_box = app.query_one("#prompt")
         prompt_box.text = prompt
         prompt_box.focus()
+        ui_start = time.thread_time()  # this thread is the UI's: its CPU time while the answer streams
         await pilot.press("enter")
         while not (chat.turn == 1 and not chat.busy):
             await asyncio.sleep(0.05)
         reply = chat.conv.messages[-1]
-        return reply.stats, chat.frames_drawn
-stats, frames = asyncio.run(go())
+        return reply.stats, chat.frames_drawn, time.thread_time() - ui_start
+stats, frames, ui_cpu = asyncio.run(go())
 app.engine.close()
 print(json.dumps({"generated": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens,
                   "decode_tok_s": stats.decode_tok_s, "frames": frames,
+                  "ui_cpu_ms_per_token": round(1000 * ui_cpu / stats.generated_tokens, 3),
                   "wall_tok_s": (stats.generated_tokens - 1) / (stamps[-1] - stamps[0]),
                   "policy": str(planned.plan.policy)}))
 '''
@@ -94,7 +96,9 @@ from localctx.app.session_options import SessionRequest, make_plan
 from localctx.backends.base import GenerationEvent, GenerationParams, GenerationStats
 from localctx.backends.fake import FAKE_SPEC, FakeBackend
 from localctx.backends.modelref import resolve
+from localctx.backends.registry import register
 
+register("fake", "localctx.backends.fake:FakeBackend")  # the test double is not a CLI backend
 tokens, rate = int(sys.argv[1]), float(sys.argv[2])
 os.environ["LOCALCTX_DATA_DIR"] = tempfile.mkdtemp()
 plan = make_plan(SessionRequest(model=None, backend="fake"), FAKE_SPEC)
@@ -107,8 +111,10 @@ def story(prompt, params=GenerationParams(), cancel=None):
     for i in range(tokens):
         time.sleep(max(0.0, start + (i + 1) / rate - time.perf_counter()))
         text = f"word{i % 97}" + (".\n\n" if i % 40 == 39 else " ")
-        yield GenerationEvent("token", GenerationStats("fake", "fp16", 10, 0, i + 1, 0.01, (i + 1) / rate), text=text)
-    yield GenerationEvent("done", GenerationStats("fake", "fp16", 10, 0, tokens, 0.01, tokens / rate),
+        yield GenerationEvent("token", GenerationStats("fake", "fp16", prompt_tokens=10, generated_tokens=i + 1,
+                                                          prefill_s=0.01, decode_s=(i + 1) / rate), text=text)
+    yield GenerationEvent("done", GenerationStats("fake", "fp16", prompt_tokens=10, generated_tokens=tokens,
+                                                   prefill_s=0.01, decode_s=tokens / rate),
                           finish_reason="stop")
 session.generate = story
 app = ChatApp(ChatSetup(load=lambda: session, plan=plan, model="fake", reopen=None, history=History.open()[0]))

@@ -15,7 +15,10 @@ from typing import Callable
 from localctx.backends.base import GenerationEvent, GenerationStats
 
 FRAME_INTERVAL = 0.1  # seconds between two frames of a streaming answer (at most 10 frames a second)
-UI_SHARE = 0.05  # at most this share of one core goes to the UI thread while an answer streams
+# At most this share of one core goes to the UI thread while an answer streams. llama.cpp's threads
+# use every core and spin-wait for each other, so a core's time taken by the UI stalls them all:
+# the decoder loses about what the UI takes (docs/benchmarks.md, "The chat against `localctx run`").
+UI_SHARE = 0.02
 MAX_INTERVAL = 1.0  # however slow the drawing, the answer moves at least once a second
 
 

@@ -146,7 +146,7 @@ def test_panel_figures_equal_the_events_figures(history):
 
 def test_panel_follows_each_streamed_event(history):
     """While tokens stream, every figure the panel shows is one an event reported."""
-    session = RecordingSession(fake_session(delay=0.1))
+    session = RecordingSession(fake_session(delay=0.25))  # ~8 s: frames come at least once a second
     app = make_app(history, session)
     seen = []
 

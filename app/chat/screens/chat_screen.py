@@ -70,6 +70,7 @@ class ChatScreen(Screen):
         self.frames_drawn = 0  # frames that changed the screen (tests compare it with the tokens streamed)
         self.pacer = FramePacer()
         self._frame_timer: Timer | None = None
+        self._cursor_blink: bool | None = None  # the input's blink setting while an answer holds it still
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -133,6 +134,7 @@ class ChatScreen(Screen):
         self.frames = FrameBuffer(self.turn)
         self.pacer.reset()
         self.busy = True
+        self.hold_cursor(True)
         self.last_stats = None
         self.set_state("prefilling")
         work = partial(self.engine.answer, self.turn, self.conv.prompt(), self.engine.new_cancel(), self.emit)
@@ -183,11 +185,13 @@ class ChatScreen(Screen):
             return
         self.frames_drawn += 1
         self.last_stats = frame.stats
-        await self.answer.append(frame.text)
         if frame.done is not None:
+            await self.answer.append(frame.text)
             await self.finish_answer(TurnStats.from_stats(frame.done.stats, frame.done.finish_reason or "stop"))
-        else:
+            return
+        with self.app.batch_update():  # the answer and the panel change in one layout and one repaint
             self.set_state("streaming", frame.stats)
+            await self.answer.append(frame.text)
 
     @on(EngineResult)
     async def engine_result(self, message: EngineResult) -> None:
@@ -234,6 +238,7 @@ class ChatScreen(Screen):
             reply = ChatMessage("assistant", answer.text)
             self.conv.messages.append(reply)
             self.save(reply)
+            await answer.settle()
             await self.view.add_note(text, "error")
         else:
             if answer is not None:
@@ -257,8 +262,18 @@ class ChatScreen(Screen):
                 prompt.text = question.content
         await self.view.add_note(why, "error")
 
+    def hold_cursor(self, streaming: bool) -> None:
+        """While an answer streams, the input's cursor stops blinking: every blink is a repaint on the
+        UI thread, and the UI thread's time is taken from the decoder's cores."""
+        prompt = self.query_one(PromptInput)
+        if streaming:
+            self._cursor_blink, prompt.cursor_blink = prompt.cursor_blink, False
+        elif self._cursor_blink is not None:
+            prompt.cursor_blink, self._cursor_blink = self._cursor_blink, None
+
     async def answer_ended(self) -> None:
         self.busy = False
+        self.hold_cursor(False)
         self.question = None
         if self.after_answer is not None:
             then, self.after_answer = self.after_answer, None

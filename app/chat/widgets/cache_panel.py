@@ -1,6 +1,7 @@
 """The side panel: live figures from the latest GenerationEvent and the plan."""
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
@@ -31,6 +32,14 @@ def tok_s(value: float) -> str:
     return f"{value:,.1f} tok/s" if value > 0 else "–"
 
 
+def unwrapped_lines(shown: str | tuple, width: int) -> int | None:
+    """How many lines a Static of ``width`` cells shows for ``shown`` (a _put key), or None when a
+    line would wrap (its height then depends on where it wraps)."""
+    text = shown if isinstance(shown, str) else shown[0]
+    lines = text.split("\n")
+    return len(lines) if width > 0 and all(cell_len(line) <= width for line in lines) else None
+
+
 class CachePanel(VerticalScroll):
     """Shows a CacheFigures; ``figures`` is what it shows now (tests compare it with the events)."""
 
@@ -40,10 +49,18 @@ class CachePanel(VerticalScroll):
         self._shown: dict[str, object] = {}  # what each Static shows now: unchanged ones are not updated
 
     def _put(self, widget_id: str, content: str | Text) -> None:
+        """Shows ``content`` in one Static if it changed. A change that keeps the Static's height (as
+        many lines, none wider than the panel) only repaints it; a layout would arrange the whole
+        screen again, and the figures change with every frame of an answer."""
         key = content if isinstance(content, str) else (content.plain, str(content.style), tuple(content.spans))
-        if self._shown.get(widget_id) != key:
+        old = self._shown.get(widget_id)
+        if old != key:
             self._shown[widget_id] = key
-            self.query_one(f"#{widget_id}", Static).update(content)
+            widget = self.query_one(f"#{widget_id}", Static)
+            width = widget.content_region.width
+            lines = unwrapped_lines(key, width)
+            same_height = lines is not None and old is not None and unwrapped_lines(old, width) == lines
+            widget.update(content, layout=not same_height)
 
     def compose(self) -> ComposeResult:
         yield Label("KV policy", classes="heading")
