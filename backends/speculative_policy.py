@@ -16,8 +16,11 @@ expected accepted tokens are E(k) = sum over j < k of the product of p(m), p(m +
 **Cost.** Every step is timed. Plain (one-token) steps give the base time; a verify step of
 T tokens gives the extra cost per drafted token, (time / base - 1) / (T - 1). Both are medians of
 the recent steps (the machine may be shared; one slow step moves nothing). Until a verify step
-has been timed, ``EXTRA_PRIOR`` stands for it: a conservative value between the two engines'
-measured ones (docs/benchmarks-reuse.md).
+has been timed, ``EXTRA_PRIOR`` stands for it. The last full bench run (docs/benchmarks-reuse.md,
+2 threads, load about 2) implies 0.19 on torch (fp32 weights; more rows per weight read cost little) and 0.48 on
+llama.cpp (Q4_1; on one thread a 9-token step took 6.7× a one-token step, median of 15, so
+there each verified token costs well over half a plain step more);
+the prior takes the dearer one, so the first drafts are judged as if on llama.cpp.
 
 **Decision.** Draft the k (≤ the cap) that maximises tokens per unit of time,
 (1 + E(k)) / (1 + extra × k), if that beats a plain step (1) by ``MIN_GAIN``; otherwise step plainly."""
