@@ -12,23 +12,25 @@ a position whose target distribution is p is accepted with probability p(x); on 
 token is drawn from p with x removed and renormalised. Greedy decoding (p = the argmax) therefore
 keeps exactly the tokens plain decoding would produce, and sampling keeps its distribution.
 
-Drafting adapts: a draft the model fully accepts grows the next one, a rejected one shrinks it
-and, after repeated misses, drafting pauses for a doubling number of steps (free-form text rarely
-repeats, so there the cost falls to one failed verify every few dozen tokens)."""
+Drafting adapts (``backends/speculative_policy.py``): each step drafts only when the tokens it
+expects to be accepted, judged by the length of the suffix match and this session's outcomes so
+far, outweigh the measured extra cost of a verify step over a plain one on this engine; free-form
+text, whose matches are short and rarely continue, therefore almost always decodes plainly."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
 from localctx.backends.base import GenerationParams, StatsClock
+from localctx.backends.speculative_policy import MATCH_CAP, DraftPlanner
 from localctx.kvcache.errors import UserError
 
 MODES = ("auto", "off", "ngram")
 MAX_DRAFT = 8
 NGRAM_MAX = 3
-BACKOFF_MAX = 64
 
 
 def check_mode(mode: str) -> str:
@@ -57,43 +59,22 @@ class NgramDrafter:
 
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest matching suffix (empty when none matches)."""
+        return self.lookup(k)[0] if k > 0 else []
+
+    def lookup(self, k: int) -> tuple[list[int], int]:
+        """(up to ``k`` tokens that followed the most recent occurrence of the longest matching
+        suffix of n ≤ max_n tokens, how many tokens that occurrence matches the context's end,
+        counted back up to MATCH_CAP); ([], 0) when nothing matches."""
         toks = self.tokens
-        if k <= 0:
-            return []
-        for n in range(min(self.max_n, len(toks)), 0, -1):
-            at = self._next.get(tuple(toks[len(toks) - n:]))
+        end = len(toks)
+        for n in range(min(self.max_n, end), 0, -1):
+            at = self._next.get(tuple(toks[end - n:]))
             if at is not None:
-                return toks[at:at + k]
-        return []
-
-
-class DraftLength:
-    """How many tokens to draft next: grows on full acceptance, shrinks on misses, and pauses
-    drafting for 1, 2, 4, ... up to BACKOFF_MAX steps after consecutive rejected drafts."""
-
-    def __init__(self, max_draft: int = MAX_DRAFT):
-        self.max_draft = max_draft
-        self.k = max(1, max_draft // 2)
-        self.pause = 0
-        self.backoff = 1
-
-    def next(self) -> int:
-        if self.pause > 0:
-            self.pause -= 1
-            return 0
-        return self.k
-
-    def record(self, drafted: int, accepted: int) -> None:
-        if accepted == drafted:
-            self.k = min(self.max_draft, self.k + 2)
-            self.backoff = 1
-        elif accepted == 0:
-            self.k = max(1, self.k // 2)
-            self.pause = self.backoff
-            self.backoff = min(BACKOFF_MAX, self.backoff * 2)
-        else:
-            self.k = max(1, min(self.max_draft, accepted + 1))
-            self.backoff = 1
+                match = n
+                while match < MATCH_CAP and at - 1 - match >= 0 and toks[at - 1 - match] == toks[end - 1 - match]:
+                    match += 1
+                return toks[at:at + max(0, k)], match
+        return [], 0
 
 
 class TokenPicker:
@@ -180,7 +161,7 @@ def speculative_tokens(verifier: Verifier, context: Sequence[int], first_logits:
     then, per forward, the accepted draft tokens and the one the model chose after them."""
     drafter = NgramDrafter()
     drafter.extend(context)
-    length = DraftLength(max_draft)
+    planner = DraftPlanner(max_draft)
     picker = TokenPicker(params)
     counters = SpecCounters(clock)
     tok = picker.sample(first_logits)
@@ -190,13 +171,15 @@ def speculative_tokens(verifier: Verifier, context: Sequence[int], first_logits:
         emitted += 1
         drafter.extend([tok])
         budget = params.max_tokens - emitted - 1  # drafts past the last wanted token are wasted work
-        k = min(length.next(), verifier.room() - 1, budget)
-        draft = drafter.draft(k)
+        candidates, match = drafter.lookup(min(max_draft, verifier.room() - 1, budget))
+        draft = candidates[:planner.length(match, len(candidates))]
+        started = time.perf_counter()
         logits = verifier.step([tok, *draft])
+        planner.cost.record(1 + len(draft), time.perf_counter() - started)
         accepted, tok = picker.verify(logits, draft)
         if draft:
             verifier.rollback(len(draft) - accepted)
-            length.record(len(draft), accepted)
+            planner.acceptance.record(match, len(draft), accepted)
         counters.add(len(draft), accepted)
         for d in draft[:accepted]:
             yield d

@@ -8,7 +8,7 @@ import torch
 
 from localctx.backends.base import GenerationParams
 from localctx.backends.modelref import ModelRef
-from localctx.backends.speculative import DraftLength, NgramDrafter, TokenPicker, resolve
+from localctx.backends.speculative import NgramDrafter, TokenPicker, resolve
 from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
@@ -29,20 +29,6 @@ def test_drafter_continues_the_most_recent_occurrence_of_the_longest_suffix():
     d.extend([5])
     assert d.draft(3) == [6, 7, 1]  # 1-gram "5"
     assert d.draft(0) == []
-
-
-def test_draft_length_grows_on_acceptance_and_pauses_after_misses():
-    length = DraftLength(max_draft=8)
-    assert length.next() == 4
-    length.record(4, 4)
-    assert length.next() == 6
-    length.record(6, 0)  # a miss: shorter, and one step without drafting
-    assert length.next() == 0
-    assert length.next() == 3
-    length.record(3, 0)  # a second miss in a row: two steps without drafting
-    assert [length.next() for _ in range(3)] == [0, 0, 1]
-    length.record(1, 1)
-    assert length.backoff == 1
 
 
 def test_greedy_acceptance_keeps_exactly_the_argmax_tokens():

@@ -1,0 +1,101 @@
+"""When prompt lookup drafts (backends/speculative_policy.py): by the suffix match's length, the
+session's outcomes and the measured cost of a verify step."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from localctx.backends.base import GenerationParams, StatsClock
+from localctx.backends.speculative import NgramDrafter, speculative_tokens
+from localctx.backends.speculative_policy import EXTRA_PRIOR, PRIOR, Acceptance, DraftPlanner, StepCost
+
+
+def test_lookup_counts_how_far_back_the_match_reaches():
+    d = NgramDrafter()
+    d.extend([7, 1, 2, 3, 4, 9, 9, 5, 1, 2, 3, 4])
+    assert d.lookup(3) == ([9, 9, 5], 4)  # "1 2 3 4" matches, "7" before it does not
+    d.extend([8])
+    assert d.lookup(3) == ([], 0)
+    d.extend([9])
+    assert d.lookup(2) == ([5, 1], 1)  # the most recent "9" was followed by 5
+    assert d.lookup(-1) == ([], 1)
+
+
+def test_short_matches_on_a_fresh_session_step_plainly_and_long_ones_draft():
+    planner = DraftPlanner(max_draft=8)
+    assert planner.length(1, 8) == 0  # a 1-token match: accepted about one time in five
+    assert planner.length(2, 8) == 0
+    assert planner.length(8, 8) > 0
+    assert planner.length(8, 0) == 0 and planner.length(0, 8) == 0
+
+
+def test_rejections_stop_drafting_and_acceptances_lengthen_drafts():
+    planner = DraftPlanner(max_draft=8)
+    first = planner.length(8, 8)
+    for _ in range(6):
+        planner.acceptance.record(8, first, 0)
+    assert planner.length(8, 8) == 0
+    planner = DraftPlanner(max_draft=8)
+    for _ in range(20):
+        planner.acceptance.record(8, 8, 8)
+    assert planner.length(8, 8) > first
+
+
+def test_acceptance_moves_the_prior_by_observed_trials_and_chains_match_lengths():
+    acc = Acceptance()
+    assert acc.p(20) == PRIOR[8] and acc.p(0) == PRIOR[1]
+    acc.record(3, drafted=4, accepted=1)  # token 0 accepted at match 3, token 1 rejected at match 4
+    assert acc.p(3) > PRIOR[3] and acc.p(4) < PRIOR[4]
+    assert acc.p(5) == PRIOR[5]  # the tokens after the rejection were never tried
+    e = acc.expected(6, 3)
+    assert np.isclose(e[0], acc.p(6)) and np.isclose(e[1], acc.p(6) + acc.p(6) * acc.p(7))
+
+
+def test_measured_verify_cost_decides_the_draft_length():
+    cost = StepCost()
+    assert cost.extra() == EXTRA_PRIOR
+    cost.record(5, 0.5)  # no plain step timed yet: nothing to compare with
+    assert cost.extra() == EXTRA_PRIOR
+    for s in (0.010, 0.011, 0.009):
+        cost.record(1, s)
+    cost.record(5, 0.030)  # 4 extra tokens cost 2 plain steps
+    assert np.isclose(cost.extra(), 0.5)
+    cheap, dear = DraftPlanner(8), DraftPlanner(8)
+    for planner, extra in ((cheap, 0.05), (dear, 2.0)):
+        planner.cost.extras.extend([extra] * 3)
+    assert cheap.length(8, 8) == 8
+    assert dear.length(8, 8) == 0
+
+
+class CountingVerifier:
+    """A model that always continues 1 2 3 4 1 2 3 4 ...; counts the tokens each step evaluates."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def room(self) -> int:
+        return 100
+
+    def step(self, tokens):
+        self.steps.append(len(tokens))
+        logits = np.zeros((len(tokens), 6), dtype=np.float32)
+        for i, t in enumerate(tokens):
+            logits[i, t % 4 + 1] = 1.0
+        return logits
+
+    def rollback(self, n: int) -> None:
+        pass
+
+
+def test_the_loop_drafts_once_the_repetition_is_long_and_keeps_the_greedy_tokens():
+    verifier = CountingVerifier()
+    first = np.zeros(6, dtype=np.float32)
+    first[1] = 1.0
+    clock = StatsClock(backend="test", policy="fp16", prompt_tokens=4)
+    tokens = speculative_tokens(verifier, [1, 2, 3, 4], first, GenerationParams(max_tokens=40), clock)
+    out = list(itertools.islice(tokens, 40))  # the loop runs on; the caller's stream stops it
+    assert out == [(i % 4) + 1 for i in range(40)]
+    assert verifier.steps[0] == 1  # the match behind the first step is short: a plain step
+    assert max(verifier.steps) > 1 and len(verifier.steps) < 39
+    assert clock.accepted_tokens == clock.drafted_tokens
