@@ -74,11 +74,13 @@ def test_auto_stays_off_on_llamacpp_and_says_why():
 
 
 def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_run():
-    doc = "\n\n".join(topics.topics[k].strip() for k in ("calls", "assignment", "if"))[:6000]
+    # ~590 tokens: one whole CHUNK goes to disk and ~100 tokens are left to prefill after loading it
+    # (lookups over several chunks: test_prompt_cache.py)
+    doc = "\n\n".join(topics.topics[k].strip() for k in ("calls", "assignment", "if"))[:2600]
     q1 = [{"role": "user", "content": doc + "\n\nWhat is a call?"}]
     q2 = [{"role": "user", "content": doc + "\n\nWhat does 'if' do?"}]
-    req = SessionRequest(model=None, backend="llamacpp", kv="int4", context=2048, prompt_cache=True)
-    cold_req = SessionRequest(model=None, backend="llamacpp", kv="int4", context=2048)
+    req = SessionRequest(model=None, backend="llamacpp", kv="int4", context=1024, prompt_cache=True)
+    cold_req = SessionRequest(model=None, backend="llamacpp", kv="int4", context=1024)
     with open_session(cold_req) as s:
         cold, _ = tokens_of(s, q2, "off", n=24)
     with open_session(req) as s:
