@@ -84,3 +84,13 @@ def test_a_lone_prompt_and_an_empty_one(loaded):
     assert shapes == [(1, 11)]
     with pytest.raises(ValueError):
         eng.prefill_together([1], [[]])
+
+
+def test_sequences_with_reserved_blocks_are_not_padded(loaded):
+    """A batch reserves each sequence's blocks up front; the pad's blocks would leave the reservation."""
+    eng = engine(loaded, "fp16")
+    eng.cache.add_sequence(0, reserve_tokens=40)
+    eng.cache.add_sequence(1)
+    shapes = counting_forwards(eng)
+    eng.prefill_together([0, 1], PROMPTS[:2])
+    assert sorted(shapes) == [(1, 11), (1, 12)]

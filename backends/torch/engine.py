@@ -62,12 +62,13 @@ class Engine:
         later), its logits are read at its own last token, and the pad K/V is cut off after the
         step. One forward multiplies each weight with every prompt's rows at once, instead of
         reading it again per prompt. Only the full-precision paged cache is padded (a policy
-        cache may quantize or evict at the pad positions); it, a lone prompt, and a step the
-        pool cannot widen prefill one sequence at a time."""
+        cache may quantize or evict at the pad positions), and only sequences without reserved
+        blocks (the pad's blocks would go back to the free list, not to the reservation); a
+        policy cache, a lone prompt, and a step the pool cannot widen prefill one at a time."""
         out: dict[int, torch.Tensor] = {}
         for group in self._length_groups(token_lists):
             padded = None
-            if len(group) > 1 and isinstance(self.cache, PagedKVCache):
+            if len(group) > 1 and self._pads([seq_ids[i] for i in group]):
                 try:
                     padded = self._prefill_padded([seq_ids[i] for i in group], [token_lists[i] for i in group])
                 except PoolExhausted:  # the pad does not fit beside the others' blocks: one at a time
@@ -75,6 +76,10 @@ class Engine:
             for k, i in enumerate(group):
                 out[i] = padded[k] if padded is not None else self.prefill(seq_ids[i], token_lists[i])
         return [out[i] for i in range(len(token_lists))]
+
+    def _pads(self, seq_ids: Sequence[int]) -> bool:
+        cache = self.cache
+        return isinstance(cache, PagedKVCache) and not any(cache.pool.reserved_for(s) for s in seq_ids)
 
     def _length_groups(self, token_lists: Sequence[Sequence[int]]) -> list[list[int]]:
         """Indices grouped longest first, each group padding to at most PAD_WASTE × its tokens and
