@@ -54,15 +54,18 @@ class KVProbe:
 def stream(tokens: Iterator[int] | Generator[int, None, str | None], *, token_bytes: Callable[[int], bytes], eos: set[int],
            params: GenerationParams, clock: StatsClock, probe: KVProbe,
            cancel: threading.Event | None = None,
-           on_accept: Callable[[int], None] | None = None) -> Iterator[GenerationEvent]:
+           on_accept: Callable[[int], None] | None = None,
+           started: float | None = None) -> Iterator[GenerationEvent]:
     """Drives ``tokens`` and yields GenerationEvents, then one "done" event.
 
     ``clock`` already holds prompt_tokens/cached_tokens; prefill time is the wait for the first
-    token, decode time the rest. ``on_accept`` is told each token that became part of the answer."""
+    token, decode time the rest. ``on_accept`` is told each token that became part of the answer.
+    ``started`` (a ``time.perf_counter()`` reading): when the prefill began, if before the first
+    token is asked for (a batch prefilled before its streams run)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     matcher = StopMatcher(params.stop)
     finish = "length"
-    start = time.perf_counter()
+    start = time.perf_counter() if started is None else started
     last = start
     try:
         while clock.generated_tokens < params.max_tokens:

@@ -5,7 +5,9 @@ Starts the server as a subprocess (``--port 0``), then measures, streamed:
 1. one client alone: time to first token (TTFT) and tokens/s, over a few requests;
 2. ``--streams`` clients at once (one request each, started together): aggregate tokens/s
    against one client, both as generated tokens over the wall time from the first request
-   sent to the last token received;
+   sent to the last token received; and the decode phase alone: Σ(tokens − 1) over the time
+   from the first first token to the last token, against one client's decode rate (per
+   request (tokens − 1) ÷ (last token − first token), median), so prefill does not blur it;
 3. ``--clients`` clients (default 16) sending ``--requests`` requests each, bounded: p50/p99
    TTFT, aggregate tokens/s, errors, and the server's resident memory before and after;
 4. a follow-up turn in a conversation with ``--history`` tokens of history: TTFT of the
@@ -42,7 +44,16 @@ class Sample:
     cached_tokens: int
     started: float
     ended: float
+    first_token: float | None = None  # when the first and the last content chunk arrived
+    last_token: float | None = None
     error: str | None = None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """(tokens − 1) ÷ (last token − first token): the decode rate, prefill left out."""
+        if self.error or self.tokens < 2 or self.first_token is None or self.last_token <= self.first_token:
+            return None
+        return (self.tokens - 1) / (self.last_token - self.first_token)
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
@@ -68,15 +79,16 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> Sample:
     started = time.perf_counter()
-    first = None
+    first = last = None
     tokens = cached = 0
     try:
         stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True,
                                                 stream_options={"include_usage": True})
         for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and first is None:
-                first = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                last = time.perf_counter()
+                first = first or last
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
                 details = chunk.usage.prompt_tokens_details
@@ -85,7 +97,7 @@ def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> S
         now = time.perf_counter()
         return Sample(now - started, now - started, 0, 0, started, now, error=f"{type(exc).__name__}: {exc}")
     ended = time.perf_counter()
-    return Sample((first or ended) - started, ended - started, tokens, cached, started, ended)
+    return Sample((first or ended) - started, ended - started, tokens, cached, started, ended, first, last)
 
 
 def question(i: int, n_words: int = 24) -> list:
@@ -119,6 +131,16 @@ def aggregate_tok_s(samples: list[Sample]) -> float:
         return 0.0
     wall = max(s.ended for s in ok) - min(s.started for s in ok)
     return sum(s.tokens for s in ok) / wall
+
+
+def decode_phase_tok_s(samples: list[Sample]) -> float:
+    """Σ(tokens − 1) ÷ (last token − first first token): what the streams decoded together once
+    the first of them had its first token (later prefills that stall decoding count against it)."""
+    ok = [s for s in samples if s.error is None and s.first_token is not None and s.tokens >= 1]
+    if not ok:
+        return 0.0
+    wall = max(s.last_token for s in ok) - min(s.first_token for s in ok)
+    return sum(s.tokens - 1 for s in ok) / wall if wall > 0 else 0.0
 
 
 def pct(values: list[float], q: float) -> float:
@@ -161,7 +183,15 @@ def summary(samples: list[Sample]) -> dict:
             "error_messages": sorted({s.error for s in samples if s.error})[:5],
             "ttft_p50_s": round(pct(ttft, 0.5), 4) if ttft else None,
             "ttft_p99_s": round(pct(ttft, 0.99), 4) if ttft else None,
-            "generated_tokens": sum(s.tokens for s in ok), "aggregate_tok_s": round(aggregate_tok_s(samples), 2)}
+            "generated_tokens": sum(s.tokens for s in ok), "aggregate_tok_s": round(aggregate_tok_s(samples), 2),
+            "decode_phase_tok_s": round(decode_phase_tok_s(samples), 2)}
+
+
+def versus(samples: list[Sample], one_tok_s: float, one_decode_tok_s: float | None) -> dict:
+    """The phase's aggregates divided by one client's: whole requests, and the decode phase."""
+    return {"vs_one_client": round(aggregate_tok_s(samples) / one_tok_s, 2) if one_tok_s else None,
+            "decode_vs_one_client": round(decode_phase_tok_s(samples) / one_decode_tok_s, 2)
+            if one_decode_tok_s else None}
 
 
 def main() -> int:
@@ -174,7 +204,8 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=8, help="concurrent streams compared with one (default 8; 0 skips)")
     p.add_argument("--clients", type=int, default=16, help="clients in the load phase (default 16; 0 skips)")
     p.add_argument("--requests", type=int, default=2, help="requests per client in the load phase")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default 128, so that decoding "
+                   "dominates the phases' time)")
     p.add_argument("--single-requests", type=int, default=3)
     p.add_argument("--history", type=int, default=4096, help="tokens of history for the follow-up turn")
     p.add_argument("--follow-rounds", type=int, default=2)
@@ -182,6 +213,7 @@ def main() -> int:
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args()
 
+    load_start = os.getloadavg()
     proc, url = start_server(args)
     server = psutil.Process(proc.pid)
     try:
@@ -192,6 +224,8 @@ def main() -> int:
         rss_start = server.memory_info().rss
         single = [ask(client, model, question(1 + i), args.max_tokens) for i in range(args.single_requests)]
         one_tok_s = statistics.median(s.tokens / (s.ended - s.started) for s in single if s.error is None)
+        decode_rates = [r for r in (s.decode_tok_s for s in single) if r is not None]
+        one_decode_tok_s = statistics.median(decode_rates) if decode_rates else None
         together = concurrent(client, model, args.streams, 1, args.max_tokens, offset=100) if args.streams else []
         load = concurrent(client, model, args.clients, args.requests, args.max_tokens, offset=200) if args.clients else []
         rss_end_load = server.memory_info().rss
@@ -204,15 +238,16 @@ def main() -> int:
         "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
         "server": {"backend": args.backend, "model": model, "parallel": args.parallel, "plan": card.get("plan"),
                    "batching": card.get("batching"), "slots": card.get("slots")},
-        "machine": {"cpus": os.cpu_count(), "note": "shared machine: other work ran at the same time"},
+        "machine": {"cpus": os.cpu_count(), "note": "shared machine: other work ran at the same time",
+                    "load_average_start": [round(x, 2) for x in load_start],
+                    "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         "max_tokens": args.max_tokens,
-        "one_client": {**summary(single), "tok_s_median": round(one_tok_s, 2)},
-        "streams": {"n": args.streams, **summary(together),
-                    "vs_one_client": round(aggregate_tok_s(together) / one_tok_s, 2) if one_tok_s else None}
+        "one_client": {**summary(single), "tok_s_median": round(one_tok_s, 2),
+                       "decode_tok_s_median": round(one_decode_tok_s, 2) if one_decode_tok_s else None},
+        "streams": {"n": args.streams, **summary(together), **versus(together, one_tok_s, one_decode_tok_s)}
         if together else None,
         "load": {"clients": args.clients, "requests_per_client": args.requests, **summary(load),
-                 "vs_one_client": round(aggregate_tok_s(load) / one_tok_s, 2) if one_tok_s else None}
-        if load else None,
+                 **versus(load, one_tok_s, one_decode_tok_s)} if load else None,
         "rss_bytes": {"start": rss_start, "after_load": rss_end_load, "end": rss_end},
         "follow_up": follow,
         "samples": {"one_client": [asdict(s) for s in single], "streams": [asdict(s) for s in together],

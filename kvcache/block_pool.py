@@ -65,6 +65,10 @@ class BlockPool:
     def length(self, seq_id: int) -> int:
         return self._seq(seq_id).n_tokens
 
+    def reserved_for(self, seq_id: int) -> int:
+        """Blocks set aside for the sequence and not yet in its table."""
+        return len(self._seq(seq_id).reserved)
+
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 

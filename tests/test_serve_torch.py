@@ -41,8 +41,10 @@ def alone(loaded, prompt, params) -> list[int]:
 
 
 def drain(batcher: SlotBatcher, started) -> dict:
-    tokens = {id(s): [e.token] if e.kind == "token" else [] for s, e in started}
-    done = {id(s): e for s, e in started if e.kind == "done"}
+    """``started``: what ``start`` returned, (stream, None): each first event comes from a step."""
+    assert all(e is None for _, e in started)
+    tokens = {id(s): [] for s, _ in started}
+    done = {}
     while batcher.active:
         for s, e in batcher.step():
             if e.kind == "token":

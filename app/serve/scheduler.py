@@ -176,6 +176,9 @@ class Scheduler:
         self.streams.used(lane)
         job.lane = lane
         job.started_at = time.monotonic()
+        if first is None:  # the source prefills it in its next step, which sends the first event
+            self._live[id(stream)] = job
+            return "started"
         job.emit(first)
         if first.kind == "done":
             self.served += 1

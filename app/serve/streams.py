@@ -2,6 +2,8 @@
 
 ``start(prompt, params, cancel)`` prefills a request and returns (stream, first event), or None
 when it has to wait; ``step()`` advances every live stream by one token and returns their events.
+A source may return (stream, None) instead and prefill the stream in its next ``step``, which then
+returns its first event (the torch batcher does, so that streams joining together prefill together).
 Torch and llama.cpp sessions batch (``backends.torch.serving.SlotBatcher``,
 ``backends.llamacpp_serving.LlamaSlots``: continuous batching, per-slot KV reuse); other
 backends run one stream at a time through ``Session.generate``, whose own cache keeps the last

@@ -154,9 +154,11 @@ class Gemma3Model:
         return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), self.config.norm_eps).to(x.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache, *, all_logits: bool = False) -> torch.Tensor:
-        """tokens: [B, T]. Returns float32 logits [B, vocab] for the last position of each row,
-        or [B, T, vocab] with ``all_logits``."""
+    def forward(self, tokens: torch.Tensor, cache, *, all_logits: bool = False,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [B, T]. Returns float32 logits [B, vocab] for the last position of each row
+        (or row b's position ``last[b]``, for rows padded after their tokens), or [B, T, vocab]
+        with ``all_logits``."""
         c = self.config
         B, T = tokens.shape
         x = self.embed[tokens] * self.embed_scale
@@ -170,7 +172,7 @@ class Gemma3Model:
             gate, up = layer.gate_up(self._norm(x, layer.ffn_norm)).chunk(2, dim=-1)
             x = x + self._norm(layer.down(F.gelu(gate, approximate="tanh") * up), layer.post_ffn_norm)
         if not all_logits:
-            x = x[:, -1]
+            x = x[:, -1] if last is None else x[torch.arange(B, device=x.device), last]
         logits = self.lm_head(self._norm(x, self.final_norm)).float()
         if c.final_softcap:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap

@@ -102,9 +102,11 @@ class LlamaModel:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.norm_eps)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache, *, all_logits: bool = False) -> torch.Tensor:
-        """tokens: [B, T]. Returns float32 logits [B, vocab] for the last position of each row,
-        or [B, T, vocab] with ``all_logits``."""
+    def forward(self, tokens: torch.Tensor, cache, *, all_logits: bool = False,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [B, T]. Returns float32 logits [B, vocab] for the last position of each row
+        (or row b's position ``last[b]``, for rows padded after their tokens), or [B, T, vocab]
+        with ``all_logits``."""
         c = self.config
         B, T = tokens.shape
         x = self.embed[tokens]
@@ -124,7 +126,7 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         if not all_logits:
-            x = x[:, -1]
+            x = x[:, -1] if last is None else x[torch.arange(B, device=x.device), last]
         return self.lm_head(self._norm(x, self.final_norm)).float()
 
 

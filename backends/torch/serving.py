@@ -4,6 +4,8 @@ Each slot is a cache sequence that outlives its request: it keeps the tokens it 
 (``history``), so a follow-up request that extends the same conversation keeps the longest
 common prefix and prefills only the rest. Live streams are decoded together, one forward per
 step for all of them (the weights are read once per step), and join and leave between steps.
+Streams that join in the same step are prefilled together (``Engine.prefill_together``: one
+forward for prompts of similar length), before that step's decode of the others.
 
 Memory never runs out mid-generation: a stream is admitted only while the worst case of every
 live stream (prompt + max answer, capped at what the KV policy ever holds) plus what the idle
@@ -37,13 +39,15 @@ class LiveStream:
     params: GenerationParams
     worst_blocks: int
     sampler: Sampler
-    events: Iterator[GenerationEvent] | None = None
+    cancel: threading.Event | None = None
+    events: Iterator[GenerationEvent] | None = None  # None until the step that prefills it
     pending: int = -1  # sampled, not yet decoded into the cache
 
 
 class SlotBatcher:
-    """``start`` a request (prefill + first token) or get None when it must wait; ``step`` decodes
-    every live stream once and returns each one's next event."""
+    """``start`` a request (its slot and memory; the first event comes from the next ``step``) or
+    get None when it must wait; ``step`` prefills the streams that joined since the last one, all
+    together, decodes every other live stream once, and returns each one's next event."""
 
     def __init__(self, session: "TorchSession", n_slots: int):
         self.session = session
@@ -90,7 +94,7 @@ class SlotBatcher:
 
     # -- admission -------------------------------------------------------------------------
     def start(self, prompt: Prompt, params: GenerationParams,
-              cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent] | None:
+              cancel: threading.Event | None) -> tuple[LiveStream, None] | None:
         if self._waiting_prompt is not prompt:  # a request that waits is asked again every step
             self._waiting_prompt, self._waiting_ids = prompt, self.session.tokenize(prompt)
         ids = self._waiting_ids
@@ -117,7 +121,7 @@ class SlotBatcher:
             return self._begin(slot, shared, ids, params, worst, cancel)
 
     def _begin(self, slot: Slot, shared: int, ids: list[int], params: GenerationParams, worst: int,
-               cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent]:
+               cancel: threading.Event | None) -> tuple[LiveStream, None]:
         cache = self.cache
         if not cache.has(slot.seq_id):
             cache.add_sequence(slot.seq_id)
@@ -128,21 +132,9 @@ class SlotBatcher:
         cache.truncate(slot.seq_id, reused)
         del slot.history[reused:]
         slot.busy = True
-        live = LiveStream(slot, ids, reused, params, worst, Sampler(params))
-        clock = StatsClock(backend="torch", policy=str(self.session.plan.policy), prompt_tokens=len(ids),
-                           cached_tokens=reused)
-        tok = self.session.tokenizer
-        live.events = stream(self._tokens(live), token_bytes=tok.token_bytes, eos=tok.eos_ids, params=params,
-                             clock=clock, probe=self._probe(slot.seq_id), cancel=cancel)
+        live = LiveStream(slot, ids, reused, params, worst, Sampler(params), cancel)
         self.live.append(live)
-        try:
-            first = next(live.events)
-        except BaseException:
-            self._end(live, failed=True)
-            raise
-        if first.kind == "done":
-            self._end(live)
-        return live, first
+        return live, None  # prefilled by the next step, with every stream that joins with it
 
     def _probe(self, seq_id: int) -> KVProbe:
         cache = self.cache
@@ -155,11 +147,26 @@ class SlotBatcher:
         return KVProbe(read)
 
     def _tokens(self, live: LiveStream) -> Iterator[int]:
-        logits = self.engine.prefill(live.slot.seq_id, live.ids[live.reused:])
-        live.slot.history.extend(live.ids[live.reused:])
-        live.pending = live.sampler.sample(logits)
         while True:
             yield live.pending  # ``step`` feeds it and samples the next one before asking again
+
+    def _prefill(self, joining: list[LiveStream]) -> None:
+        """Prefill the streams that joined (one forward for prompts of similar length), sample
+        their first tokens and start their event streams; a stream cancelled meanwhile is not
+        prefilled (its stream ends at once)."""
+        started = time.perf_counter()
+        todo = [s for s in joining if s.cancel is None or not s.cancel.is_set()]
+        if todo:
+            rows = self.engine.prefill_together([s.slot.seq_id for s in todo], [s.ids[s.reused:] for s in todo])
+            for s, row in zip(todo, rows):
+                s.slot.history.extend(s.ids[s.reused:])
+                s.pending = s.sampler.sample(row)
+        tok = self.session.tokenizer
+        for s in joining:
+            clock = StatsClock(backend="torch", policy=str(self.session.plan.policy), prompt_tokens=len(s.ids),
+                               cached_tokens=s.reused)
+            s.events = stream(self._tokens(s), token_bytes=tok.token_bytes, eos=tok.eos_ids, params=s.params,
+                              clock=clock, probe=self._probe(s.slot.seq_id), cancel=s.cancel, started=started)
 
     def _end(self, live: LiveStream, failed: bool = False) -> None:
         if live in self.live:
@@ -177,18 +184,23 @@ class SlotBatcher:
         if not self.live:
             return []
         live = list(self.live)
-        self.widest = max(self.widest, len(live))
+        joining = [s for s in live if s.events is None]
+        decoding = [s for s in live if s.events is not None]
+        self.widest = max(self.widest, len(decoding))
         with self._lock:
             try:
-                logits = self.engine.decode([s.slot.seq_id for s in live], [s.pending for s in live])
+                if joining:
+                    self._prefill(joining)
+                if decoding:
+                    logits = self.engine.decode([s.slot.seq_id for s in decoding], [s.pending for s in decoding])
             except BaseException:
                 for s in live:
                     self._end(s, failed=True)
                 raise
-            for s, row in zip(live, logits):
+            for s, row in zip(decoding, logits if decoding else []):
                 s.slot.history.append(s.pending)
                 s.pending = s.sampler.sample(row)
-        out = []
+        out = []  # the joining streams' first events, the others' next ones
         for s in live:
             event = next(s.events)
             out.append((s, event))
