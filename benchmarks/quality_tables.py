@@ -58,8 +58,11 @@ COMMANDS: dict[str, list[str]] = {
     "smollm2-llamacpp-fp16": LLAMACPP + SMOL_TASK,
     "smollm2-llamacpp-int8": LLAMACPP + SMOL_TASK + ["--kv", "int8", "--no-baseline"],
     "smollm2-llamacpp-int4": LLAMACPP + SMOL_TASK + ["--kv", "int4", "--no-baseline"],
-    # SmolLM2-135M (bundled) on torch after the prefill fix: the quantized formats and K/V splits beside fp16
-    "smollm2-torch": SMOL_TASK + ["--kv", "int8", "--kv", "int4+res128", "--kv", "k8v4", "--kv", "kf16v4"],
+    # SmolLM2-135M (bundled) on torch after the prefill fix: fp16, then each quantized format and K/V
+    # split as its own figure (k4v4 is int4), so a stopped run keeps what it finished
+    "smollm2-torch-fp16": SMOL_TASK,
+    **{f"smollm2-torch-{p}": SMOL_TASK + ["--kv", p, "--no-baseline"]
+       for p in ("int8", "int4", "int4+res128", *SPLITS)},
     # K and V apart (k4v4 is int4): perplexity and the passkey grid as separate figures
     **{f"smollm2-llamacpp-{p}": LLAMACPP + SMOL_TASK + ["--no-needle", "--kv", p, "--no-baseline"]
        for p in SPLITS},
@@ -73,12 +76,13 @@ COMMANDS: dict[str, list[str]] = {
     # Gemma 3 270M (32K trained context; 5 sliding-window layers of 512 : 1 global) on llama.cpp and torch
     **{f"gemma3-llamacpp-ppl-{p}": LLAMACPP + GEMMA_PPL + a for p, a in GEMMA_POLICIES.items()},
     **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
-       for n in (4096, 16384) for p, a in GEMMA_POLICIES.items()},
+       for n in (4096, 16384, 30720) for p, a in GEMMA_POLICIES.items()},
     "gemma3-torch-ppl-fp16": GEMMA_PPL,
     # int8 and the window on torch: measured after the prefill fix (chunked prefill attends as decode does)
     "gemma3-torch-ppl-int8": GEMMA_PPL + ["--kv", "int8", "--no-baseline"],
     "gemma3-torch-ppl-win4096": GEMMA_PPL + ["--kv", "fp16+sink4+win4096", "--no-baseline"],
-    "gemma3-torch-needle4k-fp16": GEMMA_NEEDLE + ["4096"],
+    **{f"gemma3-torch-needle{n // 1024}k-{p}": GEMMA_NEEDLE + [str(n)] + a
+       for n in (4096, 16384, 30720) for p, a in GEMMA_POLICIES.items()},
 }
 
 

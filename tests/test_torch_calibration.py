@@ -48,7 +48,8 @@ def test_calibrate_times_each_format_at_each_context_with_the_cost_models_bytes(
 
     spec = read_spec(tiny_ref)
     assert cal.backend == TorchBackend().calibration_name()
-    assert set(cal.formats) == set(POLICIES) == {"fp16", "int8", "int4", "fp16-windowed"}
+    assert set(cal.formats) == set(POLICIES) == {"fp16", "int8", "int4", "k8v4", "kf16v8", "kf16v4", "fp16-windowed"}
+    assert {str(POLICIES[f]) for f in ("k8v4", "kf16v8", "kf16v4")} == {"k8v4", "kf16v8", "kf16v4"}
     assert POLICIES["fp16-windowed"].evicts and not POLICIES["fp16-windowed"].quantized
     for fmt, fc in cal.formats.items():
         assert [p[0] for p in fc.points] == [17, 65]  # median cache length of the 4 steps after each fill

@@ -46,8 +46,11 @@ ROOM = _room(CONTEXTS, ROUNDS, STEPS)
 # the policy timed for each format: what the planner proposes for it. A windowed fp16 policy runs in
 # the policy cache (keys kept before RoPE, rotated at every step), not the paged one: it is timed
 # with a window wider than anything it holds here, so it never evicts and holds what the others hold.
+# Keys and values apart (k8v4, kf16v8, kf16v4) are timed too: their attention mixes a full-precision
+# or 8-bit key path with a 4- or 8-bit value path, so their cost is not any uniform format's.
 POLICIES = {"fp16": KVPolicy(), "int8": uniform(8), "int4": uniform(4, residual=RESIDUAL),
-            "fp16-windowed": KVPolicy(sinks=4, window=ROOM)}
+            "k8v4": KVPolicy(k_bits=8, v_bits=4), "kf16v8": KVPolicy(k_bits=16, v_bits=8),
+            "kf16v4": KVPolicy(k_bits=16, v_bits=4), "fp16-windowed": KVPolicy(sinks=4, window=ROOM)}
 SEQ = 0
 
 
