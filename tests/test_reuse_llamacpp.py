@@ -50,9 +50,15 @@ NEAR_TIE = 1.0  # logits; llama.cpp's multi-token and one-token steps differ by 
 
 
 @pytest.mark.parametrize("kv", ["fp16", "int4", "fp16+sink4+win200"])
-def test_greedy_output_with_prompt_lookup_matches_plain_decoding_up_to_a_near_tie(kv):
+def test_greedy_output_with_prompt_lookup_matches_plain_decoding_up_to_a_near_tie(kv, monkeypatch):
     """llama.cpp rounds a multi-token batch differently from a one-token step, so a verified draft
     may take the other branch of a near-tie; everywhere else the tokens are plain decoding's."""
+    from localctx.backends.speculative_policy import StepCost
+
+    # the draft planner weighs drafts by wall-clock step timings, which a loaded machine scatters:
+    # pin the extra cost per drafted token at a quiet run's (docs/benchmarks-reuse.md) so that
+    # drafting, and so this check, does not depend on the load
+    monkeypatch.setattr(StepCost, "extra", lambda self: 0.48)
     with open_session(SessionRequest(model=None, backend="llamacpp", kv=kv, context=1024)) as s:
         accepted = 0
         for prompt in PROMPTS:

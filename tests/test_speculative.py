@@ -143,8 +143,15 @@ def smollm2_torch(smollm2_path):
 # the real model runs the policy cache's harder paths: quantized groups, and groups plus a window
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", ["int4", "int8+sink4+win96"])
-def test_greedy_output_is_identical_with_and_without_prompt_lookup_on_smollm2(smollm2_torch, kv):
+def test_greedy_output_is_identical_with_and_without_prompt_lookup_on_smollm2(smollm2_torch, kv, monkeypatch):
     import pydoc_data.topics as topics
+
+    from localctx.backends.speculative_policy import StepCost
+
+    # the draft planner weighs drafts by wall-clock step timings, which a loaded machine scatters
+    # (a verify step can look dearer than its gain, and nothing is drafted): pin the measured cost
+    # at a quiet machine's, so this test checks the rollback's exactness whatever the load
+    monkeypatch.setattr(StepCost, "extra", lambda self: 0.2)
 
     from localctx.app.session_options import SessionRequest, plan_session
 
