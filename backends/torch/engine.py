@@ -29,12 +29,14 @@ class Engine:
         self.options = options
         self.device = model.device
 
-    def _forward(self, seq_ids: Sequence[int], tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """One forward over the cache; when it raises (an allocation failure, an interrupt) in any
-        layer, the cache is rolled back to its state before the step, every layer alike."""
+    def _forward(self, seq_ids: Sequence[int], tokens: torch.Tensor, all_logits: bool = False,
+                 last: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over the cache (``last``: each row's position whose logits are returned);
+        when it raises (an allocation failure, an interrupt) in any layer, the cache is rolled back
+        to its state before the step, every layer alike."""
         self.cache.begin_step(seq_ids, tokens.shape[1])
         try:
-            logits = self.model.forward(tokens, self.cache, all_logits=all_logits)
+            logits = self.model.forward(tokens, self.cache, all_logits=all_logits, last=last)
         except BaseException:
             self.cache.abort_step()
             raise
@@ -107,13 +109,7 @@ class Engine:
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
         last = torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=self.device)
         starts = [self.cache.length(s) for s in seq_ids]
-        self.cache.begin_step(seq_ids, width)  # PoolExhausted before anything changes when it cannot
-        try:
-            logits = self.model.forward(tokens, self.cache, last=last)
-        except BaseException:
-            self.cache.abort_step()
-            raise
-        self.cache.end_step()
+        logits = self._forward(seq_ids, tokens, last=last)  # PoolExhausted before anything changes when it cannot
         for seq_id, start, n in zip(seq_ids, starts, lengths):
             self.cache.truncate(seq_id, start + n)  # the pad's K/V lies past the sequence's end now
         return logits
