@@ -14,16 +14,20 @@ drafted token accepted at match length m leaves a match of m + 1 for the next on
 expected accepted tokens are E(k) = sum over j < k of the product of p(m), p(m + 1), ... p(m + j).
 
 **Cost.** Every step is timed. Plain (one-token) steps give the base time; a verify step of
-T tokens gives the extra cost per drafted token, (time / base - 1) / (T - 1). Both are medians of
-the recent steps (the machine may be shared; one slow step moves nothing). Until a verify step
-has been timed, ``EXTRA_PRIOR`` stands for it. The last full bench run (docs/benchmarks-reuse.md,
+T tokens gives its cost in plain steps, time / base, kept per T, and the extra cost per drafted
+token, (time / base - 1) / (T - 1). All are medians of the recent steps (the machine may be
+shared; one slow step moves nothing). A step's cost is not linear in T: on llama.cpp (2 threads,
+idle) a 2-token step took 1.8-2.0 plain steps, a 5-token one 3.7, while the last bench's 9-token
+steps averaged about 2.4. So a length already timed is judged by its own median, and a length
+not yet timed by the cheaper of the per-token extra measured so far and ``EXTRA_PRIOR`` per
+drafted token: each length is tried once the prior justifies it, and then its own timing decides. The last full bench run (docs/benchmarks-reuse.md,
 2 threads, load about 2) implies 0.19 on torch (fp32 weights; more rows per weight read cost little) and 0.48 on
 llama.cpp (Q4_1; on one thread a 9-token step took 6.7× a one-token step, median of 15, so
 there each verified token costs well over half a plain step more);
 the prior takes the dearer one, so the first drafts are judged as if on llama.cpp.
 
 **Decision.** Draft the k (≤ the cap) that maximises tokens per unit of time,
-(1 + E(k)) / (1 + extra × k), if that beats a plain step (1) by ``MIN_GAIN``; otherwise step plainly."""
+(1 + E(k)) / cost(1 + k), if that beats a plain step (1) by ``MIN_GAIN``; otherwise step plainly."""
 from __future__ import annotations
 
 import statistics
@@ -71,16 +75,26 @@ class StepCost:
     def __init__(self):
         self.plain_s: deque[float] = deque(maxlen=RECENT)
         self.extras: deque[float] = deque(maxlen=RECENT)
+        self.ratios: dict[int, deque[float]] = {}  # step length T → its recent costs in plain steps
 
     def record(self, n_tokens: int, seconds: float) -> None:
         if n_tokens == 1:
             self.plain_s.append(seconds)
         elif self.plain_s:
-            base = statistics.median(self.plain_s)
-            self.extras.append(max(0.0, (seconds / base - 1.0) / (n_tokens - 1)))
+            ratio = seconds / statistics.median(self.plain_s)
+            self.extras.append(max(0.0, (ratio - 1.0) / (n_tokens - 1)))
+            self.ratios.setdefault(n_tokens, deque(maxlen=RECENT)).append(max(1.0, ratio))
 
     def extra(self) -> float:
         return statistics.median(self.extras) if self.extras else EXTRA_PRIOR
+
+    def step_ratio(self, n_tokens: int) -> float:
+        """What a step of ``n_tokens`` costs in plain steps: its own median where timed, else the
+        cheaper of the measured per-token extra and the prior's."""
+        timed = self.ratios.get(n_tokens)
+        if timed:
+            return statistics.median(timed)
+        return 1.0 + min(self.extra(), EXTRA_PRIOR) * (n_tokens - 1)
 
 
 class DraftPlanner:
@@ -94,10 +108,9 @@ class DraftPlanner:
     def length(self, match: int, limit: int) -> int:
         if match <= 0 or limit <= 0:
             return 0
-        extra = self.cost.extra()
         best_k, best = 0, MIN_GAIN
         for k, e in enumerate(self.acceptance.expected(match, min(limit, self.max_draft)), start=1):
-            gain = (1.0 + e) / (1.0 + extra * k)
+            gain = (1.0 + e) / self.cost.step_ratio(1 + k)
             if gain > best:
                 best_k, best = k, gain
         return best_k

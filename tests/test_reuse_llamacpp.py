@@ -58,7 +58,7 @@ def test_greedy_output_with_prompt_lookup_matches_plain_decoding_up_to_a_near_ti
     # the draft planner weighs drafts by wall-clock step timings, which a loaded machine scatters:
     # pin the extra cost per drafted token at a quiet run's (docs/benchmarks-reuse.md) so that
     # drafting, and so this check, does not depend on the load
-    monkeypatch.setattr(StepCost, "extra", lambda self: 0.48)
+    monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.48 * (n_tokens - 1))
     with open_session(SessionRequest(model=None, backend="llamacpp", kv=kv, context=1024)) as s:
         accepted = 0
         for prompt in PROMPTS:

@@ -151,7 +151,7 @@ def test_greedy_output_is_identical_with_and_without_prompt_lookup_on_smollm2(sm
     # the draft planner weighs drafts by wall-clock step timings, which a loaded machine scatters
     # (a verify step can look dearer than its gain, and nothing is drafted): pin the measured cost
     # at a quiet machine's, so this test checks the rollback's exactness whatever the load
-    monkeypatch.setattr(StepCost, "extra", lambda self: 0.2)
+    monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.2 * (n_tokens - 1))
 
     from localctx.app.session_options import SessionRequest, plan_session
 

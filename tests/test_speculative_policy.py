@@ -3,6 +3,7 @@ session's outcomes and the measured cost of a verify step."""
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import numpy as np
 
@@ -61,11 +62,23 @@ def test_measured_verify_cost_decides_the_draft_length():
         cost.record(1, s)
     cost.record(5, 0.030)  # 4 extra tokens cost 2 plain steps
     assert np.isclose(cost.extra(), 0.5)
+    assert np.isclose(cost.step_ratio(5), 3.0) and np.isclose(cost.step_ratio(3), 2.0)  # timed; untimed: 1 + 0.5 * 2
     cheap, dear = DraftPlanner(8), DraftPlanner(8)
     for planner, extra in ((cheap, 0.05), (dear, 2.0)):
         planner.cost.extras.extend([extra] * 3)
+        planner.cost.ratios = {t: deque([1 + extra * (t - 1)]) for t in range(2, 10)}  # every length timed
     assert cheap.length(8, 8) == 8
     assert dear.length(8, 8) == 0
+
+
+def test_a_length_not_yet_timed_is_tried_at_the_prior_cost_then_judged_by_its_own_timing():
+    planner = DraftPlanner(8)
+    planner.cost.extras.extend([0.9] * 3)  # short verify steps were dear (llama.cpp: a fixed cost per batch)
+    planner.cost.ratios = {2: deque([1.9]), 3: deque([2.8])}
+    assert planner.cost.step_ratio(9) == 1 + EXTRA_PRIOR * 8  # untimed: the prior, not 1 + 0.9 * 8
+    assert planner.length(8, 8) >= 3  # a long match drafts past the dear lengths, at the prior's cost
+    planner.cost.ratios.update({t: deque([1 + 0.9 * (t - 1)]) for t in range(4, 10)})  # all timed, all dear
+    assert planner.length(8, 8) == 0
 
 
 class CountingVerifier:
