@@ -20,11 +20,12 @@ shared; one slow step moves nothing). A step's cost is not linear in T: on llama
 idle) a 2-token step took 1.8-2.0 plain steps, a 5-token one 3.7, while the last bench's 9-token
 steps averaged about 2.4. So a length already timed is judged by its own median, and a length
 not yet timed by the cheaper of the per-token extra measured so far and ``EXTRA_PRIOR`` per
-drafted token: each length is tried once the prior justifies it, and then its own timing decides. The last full bench run (docs/benchmarks-reuse.md,
-2 threads, load about 2) implies 0.19 on torch (fp32 weights; more rows per weight read cost little) and 0.48 on
-llama.cpp (Q4_1; on one thread a 9-token step took 6.7× a one-token step, median of 15, so
-there each verified token costs well over half a plain step more);
-the prior takes the dearer one, so the first drafts are judged as if on llama.cpp.
+drafted token: each length is tried once the prior justifies it, and then its own timing decides.
+
+``EXTRA_PRIOR``: the first full bench run (docs/benchmarks-reuse.md, 2 threads, load about 2)
+implies an extra 0.19 of a plain step per drafted token on torch (fp32 weights; more rows per
+weight read cost little) and 0.48 on llama.cpp (Q4_1); the prior takes about the dearer one, so
+the first drafts are judged as if on llama.cpp.
 
 **Decision.** Draft the k (≤ the cap) that maximises tokens per unit of time,
 (1 + E(k)) / cost(1 + k), if that beats a plain step (1) by ``MIN_GAIN``; otherwise step plainly."""
