@@ -7,7 +7,9 @@ Starts the server as a subprocess (``--port 0``), then measures, streamed:
    against one client, both as generated tokens over the wall time from the first request
    sent to the last token received; and the decode phase alone: Σ(tokens − 1) over the time
    from the first first token to the last token, against one client's decode rate (per
-   request (tokens − 1) ÷ (last token − first token), median), so prefill does not blur it;
+   request (tokens − 1) ÷ (last token − first token), median), so prefill does not blur it; and
+   the window in which all of them were decoding (from the last first token to the first last
+   token), so streams that ended early do not leave fewer streams in the figure;
 3. ``--clients`` clients (default 16) sending ``--requests`` requests each, bounded: p50/p99
    TTFT, aggregate tokens/s, errors, and the server's resident memory before and after;
 4. a follow-up turn in a conversation with ``--history`` tokens of history: TTFT of the
@@ -47,6 +49,8 @@ class Sample:
     first_token: float | None = None  # when the first and the last content chunk arrived
     last_token: float | None = None
     error: str | None = None
+    token_times: list[float] | None = None  # when each content chunk arrived
+
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -81,6 +85,7 @@ def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> S
     started = time.perf_counter()
     first = last = None
     tokens = cached = 0
+    times: list[float] = []
     try:
         stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True,
@@ -89,6 +94,7 @@ def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> S
             if chunk.choices and chunk.choices[0].delta.content:
                 last = time.perf_counter()
                 first = first or last
+                times.append(last)
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
                 details = chunk.usage.prompt_tokens_details
@@ -97,7 +103,8 @@ def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> S
         now = time.perf_counter()
         return Sample(now - started, now - started, 0, 0, started, now, error=f"{type(exc).__name__}: {exc}")
     ended = time.perf_counter()
-    return Sample((first or ended) - started, ended - started, tokens, cached, started, ended, first, last)
+    return Sample((first or ended) - started, ended - started, tokens, cached, started, ended, first, last,
+                  token_times=times)
 
 
 def question(i: int, n_words: int = 24) -> list:
@@ -141,6 +148,22 @@ def decode_phase_tok_s(samples: list[Sample]) -> float:
         return 0.0
     wall = max(s.last_token for s in ok) - min(s.first_token for s in ok)
     return sum(s.tokens - 1 for s in ok) / wall if wall > 0 else 0.0
+
+
+def all_decoding_tok_s(samples: list[Sample]) -> tuple[float, float]:
+    """(tok/s, seconds) over the window in which every stream of the phase was decoding: from the
+    last stream's first token to the first stream's last token, the content chunks that arrived
+    inside it, over its length. Streams that end early (an end-of-text before max_tokens) leave
+    fewer streams decoding after them, which the whole-phase rate mixes in; this one does not."""
+    ok = [s for s in samples if s.error is None and s.token_times and len(s.token_times) >= 2]
+    if len(ok) != len(samples) or not ok:
+        return 0.0, 0.0
+    start = max(s.token_times[0] for s in ok)
+    end = min(s.token_times[-1] for s in ok)
+    if end <= start:
+        return 0.0, 0.0
+    inside = sum(sum(1 for t in s.token_times if start < t <= end) for s in ok)
+    return inside / (end - start), end - start
 
 
 def pct(values: list[float], q: float) -> float:
@@ -189,9 +212,13 @@ def summary(samples: list[Sample]) -> dict:
 
 def versus(samples: list[Sample], one_tok_s: float, one_decode_tok_s: float | None) -> dict:
     """The phase's aggregates divided by one client's: whole requests, and the decode phase."""
+    all_rate, window = all_decoding_tok_s(samples)
     return {"vs_one_client": round(aggregate_tok_s(samples) / one_tok_s, 2) if one_tok_s else None,
             "decode_vs_one_client": round(decode_phase_tok_s(samples) / one_decode_tok_s, 2)
-            if one_decode_tok_s else None}
+            if one_decode_tok_s else None,
+            "all_decoding_tok_s": round(all_rate, 2), "all_decoding_window_s": round(window, 2),
+            "all_decoding_vs_one_client": round(all_rate / one_decode_tok_s, 2)
+            if one_decode_tok_s and all_rate else None}
 
 
 def main() -> int:
