@@ -19,9 +19,8 @@ SHORT = [30, 1, 1, 20, 1, 1]
 LONG = [70, 1, 1, 46, 1, 1]
 CASES = [("fp16", SHORT), ("int8", SHORT), ("int4+res16", SHORT), ("fp16+sink4+win16+heavy8", SHORT),
          ("int8+sink4+win32", LONG)]
-# int4+res8+sink4+win40+heavy32 left this list: decoding both token by token (torch's chunks attend as
-# decoding does, MLX's not yet) drifts past these bounds; tests/test_gemma3.py keeps a strict xfail on
-# MLX's chunked prefill until it attends as decoding does (issue 20)
+# both backends' chunks attend as decoding them one at a time would (tests/test_kv_prefill.py,
+# tests/test_mlx_prefill.py): prefill in chunks, then decode steps, on both
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +68,6 @@ def test_mlx_logits_match_the_torch_backend(models, text, chunks):
     mlx_loaded, torch_loaded, tokens = models
     policy = KVPolicy.parse(text)
     tokens = tokens[:sum(chunks)]
-    # torch's chunks attend as decoding does (tests/test_kv_prefill.py); MLX's still see the whole
-    # chunk before evicting (issue 20 item 3 is fixed on torch only): under a window both decode
-    # token by token here
-    if policy.evicts:
-        chunks = [1] * len(tokens)
     got, mlx_cache = _mlx_logits(mlx_loaded, policy, tokens, chunks)
     want, torch_cache = _torch_logits(torch_loaded, policy, tokens, chunks)
     diff = np.abs(got - want)

@@ -14,6 +14,11 @@ RoPE and both in stream order. Attention rotates each key at its position in the
 rank among the kept tokens) and each query at its own, so sinks stream past the trained
 context (StreamingLLM). The bytes held equal ``kvcache.cost.kv_bytes``.
 
+A prefill chunk attends exactly as decoding its tokens one at a time would, as the torch policy
+cache does: one causal attention where nothing ages or leaves before its last query; otherwise
+each query masked to the cache decoding would show it, groups that age during the chunk in both
+forms (``kvcache/chunk_view.py``); under heavy hitters, sub-steps between the evictions.
+
 A model whose layers slide over windows of their own (Gemma 3) gives ``ModelCache`` one window
 per layer (None: full attention) and one RoPE table per layer; such a layer runs
 ``kvcache.policy.layer_policy(policy, window)``. Where the model's window is the one kept, the
