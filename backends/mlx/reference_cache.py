@@ -113,13 +113,3 @@ class ReferenceLayerCache:
         for u in ranked[budget:]:
             self.kept[u] = False
 
-
-class ReferenceModelCache:
-    """Per-layer reference caches, in ModelCache's place (no byte count: it holds no codes)."""
-
-    def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array):
-        self.policy = policy
-        self.layers = [ReferenceLayerCache(policy, shape, inv_freq) for _ in range(n_layers)]
-
-    def arrays(self) -> list[mx.array]:
-        return []
