@@ -16,18 +16,21 @@ during the chunk) the view decides:
 - distance: positions in the cache are ranks among the held tokens. Without heavy hitters the
   held main stream is one run ending at p, so a main key's distance is its stream distance; a
   sink's is p's rank minus its own, which shrinks as eviction drops the tokens between (the
-  sinks then get a frame of their own, ``KeyView.sink_keys``).
+  sinks then get a frame of their own, ``ChunkView.sink_keys``).
 
 Heavy hitters are not handled here: which units a window eviction keeps depends on the
 attention mass up to that eviction, so the cache splits such a chunk into sub-steps instead
-(``substep_length``)."""
+(``substep_length``).
+
+The arithmetic is framework-neutral (no torch import): the torch policy cache gives it tensors,
+the MLX cache (backends/mlx/cache.py) numpy arrays."""
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Any
 
 from localctx.kvcache import eviction
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.quant_attention import KeyView
 
 
 def appends_only(policy: KVPolicy, n_seen: int, n_new: int, evicts_first: bool) -> bool:
@@ -59,39 +62,52 @@ def substep_length(policy: KVPolicy, n_seen: int, n_new: int) -> int:
     return r
 
 
-def chunk_view(policy: KVPolicy, n_seen: int, n_new: int, key_index: torch.Tensor, key_quantized: torch.Tensor,
-               *, evicts_first: bool = False, model_window: int | None = None) -> KeyView:
-    """The view of the queries of stream indices ``n_seen`` … ``n_seen + n_new − 1`` over keys
-    of stream indices ``key_index`` [L], in the form ``key_quantized`` [L] says. The keys are
-    what the layer holds for the first query, the chunk's tokens, and the full-precision form of
-    the groups that age during the chunk. No heavy hitters (see the module docstring)."""
+@dataclass(frozen=True)
+class ChunkView:
+    """What each query of a chunk sees, in the arrays the caller gave (torch tensors or numpy
+    arrays: the arithmetic below is written with operators both share)."""
+    visible: Any  # [T, L] bool
+    key_positions: Any  # [L] int: where each key is rotated
+    q_positions: Any  # [T] int: where each query is rotated against the keys
+    # keys whose distance to a query is taken in a frame of their own (the sinks, once eviction
+    # has moved them closer: query − key is then q_sink_positions − key_positions); None: none
+    sink_keys: Any = None  # [L] bool
+    q_sink_positions: Any = None  # [T] int
+
+
+def chunk_view(policy: KVPolicy, query_index, key_index, key_quantized, *, evicts_first: bool = False,
+               model_window: int | None = None) -> ChunkView:
+    """The view of the queries of stream indices ``query_index`` [T] (consecutive) over keys of
+    stream indices ``key_index`` [L], in the form ``key_quantized`` [L] (bool) says — integer
+    arrays of one framework, torch or numpy. The keys are what the layer holds for the first
+    query, the chunk's tokens, and the full-precision form of the groups that age during the
+    chunk. No heavy hitters (see the module docstring)."""
     if eviction.heavy_units(policy):
         raise ValueError(f"a chunk under heavy hitters ({policy}) runs as sub-steps, not one view")
     S, g, W = policy.sinks, policy.group_size, policy.window
-    dev = key_index.device
-    p = torch.arange(n_seen, n_seen + n_new, device=dev)[:, None]  # [T, 1]
-    j = key_index[None, :]  # [1, L]
+    p, j = query_index[:, None], key_index[None, :]  # [T, 1], [1, L]
     is_sink = j < S
     main = j - S
-    group = torch.div(main, g, rounding_mode="floor")
+    group = main // g  # floor division on both frameworks
+    held = j <= p  # a query never sees a later token
     if eviction.quantizes(policy):
         quant_at = ~is_sink & (group >= eviction.head_groups(policy)) & ((group + 1) * g <= p - S - policy.residual)
+        newest = main + quant_at * ((group + 1) * g - 1 - main)  # a quantized group leaves whole
+        held = held & (key_quantized[None, :] == quant_at)  # one form of each token at each query
     else:
-        quant_at = torch.zeros_like(p >= j)
-    held = j <= p
+        newest = main
+        held = held & ~key_quantized[None, :]
     if W is not None:
-        newest = torch.where(quant_at, (group + 1) * g - 1, main)  # a quantized group leaves whole
         m = p - S + (1 if evicts_first else 0)
-        held &= is_sink | (newest >= m - W)
-    held &= key_quantized[None, :] == quant_at  # one form of each token at each query
+        held = held & (is_sink | (newest >= m - W))
     q_rank = held.sum(-1) - 1  # p's position in the cache: tokens held before it
     visible = held
     if model_window is not None:
         visible = held & ((p - j < model_window) | is_sink)
     # main keys: stream distance, in a frame where the first query sits at its cache position
-    base = n_seen - int(q_rank[0])
-    q_main = p[:, 0] - base
-    key_pos = torch.where(is_sink[0], key_index, key_index - base)
+    base = int(query_index[0]) - int(q_rank[0])
+    q_main = query_index - base
+    key_pos = key_index - base * ~is_sink[0]
     if not S or bool((q_rank == q_main).all()):  # nothing evicted within the chunk: one frame
-        return KeyView(visible, key_pos, q_main)
-    return KeyView(visible, key_pos, q_main, is_sink[0], q_rank)
+        return ChunkView(visible, key_pos, q_main)
+    return ChunkView(visible, key_pos, q_main, is_sink[0], q_rank)

@@ -176,28 +176,22 @@ def test_mlx_page_matches_the_reference(tiny, chunks):
     assert [layer.n_kept for layer in cache.layers] == [WINDOW if w else len(TOKENS) for w in layer_windows()]
 
 
-def _torch_windowed_logits(model) -> np.ndarray:
+@pytest.fixture(scope="module")
+def torch_windowed_logits(tiny) -> np.ndarray:
     """torch: a 6-token prefill (which attends as decoding does) then 10 decode steps."""
-    engine = _engine(model, "fp16+sink1+win3", 6)
+    engine = _engine(tiny[1], "fp16+sink1+win3", 6)
     engine.cache.add_sequence(0)
     want = [engine.prefill(0, TOKENS[:6], all_logits=True).numpy()]
     want += [engine.decode([0], [t]).numpy() for t in TOKENS[6:]]
     return np.concatenate(want)
 
 
-def test_mlx_matches_torch_under_a_windowed_policy(tiny):
-    tensors, model, _ = tiny
-    got, _ = _mlx_logits("fp16+sink1+win3", [1] * 16, tensors)  # MLX decoding token by token
-    np.testing.assert_allclose(got, _torch_windowed_logits(model), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.xfail(strict=True, reason="MLX's chunked prefill still attends every query over the whole chunk "
-                                       "before evicting (issue 20 item 3 is fixed on torch only)")
-def test_mlx_chunked_prefill_matches_torch_under_a_windowed_policy(tiny):
-    tensors, model, _ = tiny
-    got, _ = _mlx_logits("fp16+sink1+win3", [6] + [1] * 10, tensors)
-    np.testing.assert_allclose(got, _torch_windowed_logits(model), rtol=1e-4, atol=1e-4)
-
+@pytest.mark.parametrize("chunks", [[6] + [1] * 10, [5, 5, 6], [16]])
+def test_mlx_chunked_prefill_matches_torch_under_a_windowed_policy(tiny, torch_windowed_logits, chunks):
+    """MLX's chunks attend as decoding does (backends/mlx/cache.py, tests/test_mlx_prefill.py):
+    whatever the chunking, torch's logits."""
+    got, _ = _mlx_logits("fp16+sink1+win3", chunks, tiny[0])
+    np.testing.assert_allclose(got, torch_windowed_logits, rtol=1e-4, atol=1e-4)
 
 
 def _hf_folder(tmp_path, tensors):

@@ -19,9 +19,15 @@ SHORT = [30, 1, 1, 20, 1, 1]
 LONG = [70, 1, 1, 46, 1, 1]
 CASES = [("fp16", SHORT), ("int8", SHORT), ("int4+res16", SHORT), ("fp16+sink4+win16+heavy8", SHORT),
          ("int8+sink4+win32", LONG)]
-# int4+res8+sink4+win40+heavy32 left this list: decoding both token by token (torch's chunks attend as
-# decoding does, MLX's not yet) drifts past these bounds; tests/test_gemma3.py keeps a strict xfail on
-# MLX's chunked prefill until it attends as decoding does (issue 20)
+# both backends' chunks attend as decoding them one at a time would (tests/test_kv_prefill.py,
+# tests/test_mlx_prefill.py): prefill in chunks, then decode steps, on both.
+# int8+sink4+win32's float noise is larger than the other cases': each graph's summation order moves
+# some k/v across an fp16 or int8 rounding edge, and the flipped codes grow through the layers.
+# Measured (2026-12-02, 120 tokens): MLX vs torch mean |Δ| 5.16e-3 in these chunks and 4.58e-3
+# decoding token by token on both (max 8.2e-2 and 1.2e-1); MLX alone, chunked vs token by token,
+# 4.59e-3 — the same size, from summation order alone (tests/test_mlx_smollm2.py shows MLX's
+# chunks keep exactly the codes and tokens its reference decodes to, given the same inputs)
+MEAN_BOUND = {"int8+sink4+win32": 7.5e-3}
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +75,13 @@ def test_mlx_logits_match_the_torch_backend(models, text, chunks):
     mlx_loaded, torch_loaded, tokens = models
     policy = KVPolicy.parse(text)
     tokens = tokens[:sum(chunks)]
-    # torch's chunks attend as decoding does (tests/test_kv_prefill.py); MLX's still see the whole
-    # chunk before evicting (issue 20 item 3 is fixed on torch only): under a window both decode
-    # token by token here
-    if policy.evicts:
-        chunks = [1] * len(tokens)
     got, mlx_cache = _mlx_logits(mlx_loaded, policy, tokens, chunks)
     want, torch_cache = _torch_logits(torch_loaded, policy, tokens, chunks)
     diff = np.abs(got - want)
     assert mlx_cache.n_kept == torch_cache.kv_tokens(0)
     assert mlx_cache.nbytes() == torch_cache.kv_bytes(0)
     if policy.quantized:  # float noise can flip a code at a rounding edge: rare, bounded spikes
-        assert diff.mean() < 5e-3 and diff.max() < 0.15
+        assert diff.mean() < MEAN_BOUND.get(text, 5e-3) and diff.max() < 0.15
     elif policy.heavy:
         # until the cache first evicts, the two graphs agree tightly; after it, float noise in the
         # accumulated attention can break a near-tie between two candidates the other way (on an

@@ -14,6 +14,11 @@ RoPE and both in stream order. Attention rotates each key at its position in the
 rank among the kept tokens) and each query at its own, so sinks stream past the trained
 context (StreamingLLM). The bytes held equal ``kvcache.cost.kv_bytes``.
 
+A prefill chunk attends exactly as decoding its tokens one at a time would, as the torch policy
+cache does: one causal attention where nothing ages or leaves before its last query; otherwise
+each query masked to the cache decoding would show it, groups that age during the chunk in both
+forms (``kvcache/chunk_view.py``); under heavy hitters, sub-steps between the evictions.
+
 A model whose layers slide over windows of their own (Gemma 3) gives ``ModelCache`` one window
 per layer (None: full attention) and one RoPE table per layer; such a layer runs
 ``kvcache.policy.layer_policy(policy, window)``. Where the model's window is the one kept, the
@@ -25,12 +30,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from localctx.backends.mlx.attention import chunk_attention
-from localctx.kernels_metal.decode_attention import DecodeParams, QuantizedKV, decode_attention
+from localctx.backends.mlx.attention import chunk_attention, view_attention
+from localctx.kernels_metal.decode_attention import DecodeParams, QuantizedKV, decode_attention, dense_keys_values
 from localctx.kernels_metal.quant import QuantFormat
 from localctx.kernels_metal.quant_append import QuantStore, quantize_append
 from localctx.kernels_metal.rope import rope_at
-from localctx.kvcache import eviction
+from localctx.kvcache import chunk_view, eviction
 from localctx.kvcache.policy import KVPolicy, layer_policy, uniform_bits
 
 
@@ -95,10 +100,33 @@ class LayerCache:
 
     # -- the one call attention makes -----------------------------------------------
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        """q (Hq, L, D), k/v (Hkv, L, D), all before RoPE. Appends the L tokens, attends (query
-        i sees the cache and the chunk's tokens up to i), then quantizes aged groups and evicts.
-        Returns (Hq, L, D) float32."""
+        """q (Hq, L, D), k/v (Hkv, L, D), all before RoPE. Appends the L tokens and attends each
+        query exactly as decoding them one at a time would (kvcache/chunk_view.py), then
+        quantizes aged groups and evicts. Returns (Hq, L, D) float32.
+
+        Where nothing ages or leaves before the last query, one causal attention over the cache
+        and the chunk; under heavy hitters, sub-steps between the points where decoding would
+        evict (which units stay depends on the attention mass up to each eviction); otherwise
+        each query masked to what decoding would show it (``_attend_chunk``)."""
         length = q.shape[1]
+        if self.track_mass:
+            parts, done = [], 0
+            while done < length:
+                r = chunk_view.substep_length(self.policy, self.n_seen, length - done)
+                step = slice(done, done + r)
+                parts.append(self._attend_plain(q[:, step], k[:, step], v[:, step], scale))
+                self._age_and_evict()
+                done += r
+            return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+        if chunk_view.appends_only(self.policy, self.n_seen, length, self.window_kept):
+            out = self._attend_plain(q, k, v, scale)
+        else:
+            out = self._attend_chunk(q, k, v, scale)
+        self._age_and_evict()
+        return out
+
+    def _append(self, k: mx.array, v: mx.array) -> None:
+        length = k.shape[1]
         self.k_full = mx.concatenate([self.k_full, k.astype(self.shape.full_dtype)], axis=1)
         self.v_full = mx.concatenate([self.v_full, v.astype(self.shape.full_dtype)], axis=1)
         self.f_ids = np.concatenate([self.f_ids, np.arange(self.n_seen, self.n_seen + length)])
@@ -106,6 +134,19 @@ class LayerCache:
         self.n_seen += length
         if self.window_kept:
             self._evict(self.n_seen - length + 1)  # what even the step's first query cannot see
+
+    def _age_and_evict(self) -> None:
+        if self.quantizes:
+            self._quantize_aged(self.n_seen)
+        if self.policy.evicts:
+            self._evict(self.n_seen)
+
+    def _attend_plain(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """Tokens whose queries see the cache as it stands plus the earlier of them (a decode
+        step, or a chunk within ``chunk_view.appends_only``): one causal attention. Accumulates
+        attention mass where it is tracked."""
+        length = q.shape[1]
+        self._append(k, v)
         first = self.n_kept - length
         q_pos = mx.arange(first, first + length, dtype=mx.int32)
         q_rot = rope_at(q, q_pos, self.inv_freq, self.shape.traditional_rope)
@@ -125,11 +166,35 @@ class LayerCache:
             nq = len(self.q_ids)
             self.q_mass = self.q_mass + got[:nq]
             self.f_mass = self.f_mass + got[nq:]
-        if self.quantizes:
-            self._quantize_aged()
-        if self.policy.evicts:
-            self._evict(self.n_seen)
         return out
+
+    def _attend_chunk(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+        """A chunk whose queries see different caches (no heavy hitters): the store ages to what
+        the last query sees, the groups that aged on the way are attended in both forms, and
+        each query is masked to what decoding would show it (``kvcache.chunk_view``)."""
+        length = q.shape[1]
+        n_first = self.n_seen
+        self._append(k, v)
+        last = n_first + length - 1  # the stream the last query's cache has aged at
+        aged_k = aged_v = None
+        aged_ids = np.zeros(0, dtype=np.int64)
+        if self.quantizes:
+            p, g = self.policy, self.fmt.group_size
+            group = (self.f_ids - p.sinks) // g
+            ages = (self.f_ids >= p.sinks + self.head * g) & ((group + 1) * g <= last - p.sinks - p.residual)
+            if ages.any():
+                idx = mx.array(np.flatnonzero(ages).astype(np.int32))
+                aged_k, aged_v, aged_ids = self.k_full[:, idx], self.v_full[:, idx], self.f_ids[ages]
+            self._quantize_aged(last)
+        keys, values = dense_keys_values(self._view(), self.fmt)  # quantized slots first, then full
+        if aged_k is not None:
+            keys = mx.concatenate([keys, aged_k.astype(mx.float32)], axis=1)
+            values = mx.concatenate([values, aged_v.astype(mx.float32)], axis=1)
+        key_index = np.concatenate([self.q_ids, self.f_ids, aged_ids])
+        quantized = np.arange(len(key_index)) < len(self.q_ids)
+        view = chunk_view.chunk_view(self.policy, np.arange(n_first, n_first + length), key_index, quantized,
+                                     evicts_first=self.window_kept, model_window=self.model_window)
+        return view_attention(q, keys, values, view, self.inv_freq, scale, self.shape.traditional_rope)
 
     # -- undoing a step (a forward that raised part way through the layers) ------------------
     def snapshot(self) -> tuple:
@@ -169,12 +234,13 @@ class LayerCache:
         self.f_ids, self.f_mass = self.f_ids[keep], self.f_mass[keep]
 
     # -- quantization as tokens age (rule 2) ---------------------------------------------
-    def _quantize_aged(self) -> None:
+    def _quantize_aged(self, n_seen: int) -> None:
+        """Quantize the groups aged out of the residual after ``n_seen`` tokens of the stream."""
         p, g = self.policy, self.fmt.group_size
         main = np.flatnonzero(self.f_ids >= p.sinks + self.head * g)  # after the sinks and the head, in stream order
         if not len(main):
             return
-        m = max(0, self.n_seen - p.sinks)
+        m = max(0, n_seen - p.sinks)
         first = int(self.f_ids[main[0]]) - p.sinks  # aligned: the next group to form starts here
         n = max(0, (m - p.residual - first) // g) * g
         if not n:

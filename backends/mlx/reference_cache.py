@@ -1,8 +1,9 @@
 """The KV policy rules of kvcache/eviction.py written plainly, as a drop-in for ``LayerCache``:
 every token kept dense (float32, rounded to the cache's full-precision dtype) with a kept flag
 and a quantized flag; quantization simulated by quantizing then dequantizing a group in place;
-attention over the kept tokens at their ranks, float32 as the fast path computes it. No
-stores, slots or packed codes: what ``LayerCache`` must equal. Used by the tests."""
+attention over the kept tokens at their ranks, float32 as the fast path computes it; a chunk
+decoded one token at a time (what a chunk must attend as). No stores, slots or packed codes:
+what ``LayerCache`` must equal. Used by the tests."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -38,7 +39,11 @@ class ReferenceLayerCache:
         return np.flatnonzero(self.kept)
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-        length = q.shape[1]
+        """A chunk attends as decoding its tokens one at a time: it is decoded one at a time."""
+        if q.shape[1] > 1:
+            return mx.concatenate([self.attend(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], scale)
+                                   for t in range(q.shape[1])], axis=1)
+        length = 1
         rnd = lambda a: np.array(a.astype(self.shape.full_dtype).astype(mx.float32))  # noqa: E731
         self.keys = np.concatenate([self.keys, rnd(k)], axis=1)
         self.values = np.concatenate([self.values, rnd(v)], axis=1)
@@ -108,13 +113,3 @@ class ReferenceLayerCache:
         for u in ranked[budget:]:
             self.kept[u] = False
 
-
-class ReferenceModelCache:
-    """Per-layer reference caches, in ModelCache's place (no byte count: it holds no codes)."""
-
-    def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array):
-        self.policy = policy
-        self.layers = [ReferenceLayerCache(policy, shape, inv_freq) for _ in range(n_layers)]
-
-    def arrays(self) -> list[mx.array]:
-        return []
