@@ -163,8 +163,10 @@ class PromptCache:
         self.notice(f"prompt cache: ignoring {path.name}: {why}; removed it")
         path.unlink(missing_ok=True)
 
-    def _candidates(self, hashes: list[str]) -> list[Path]:
-        """Files sharing at least the first CHUNK tokens with the prompt, from the headers alone."""
+    def _candidates(self, hashes: list[str]) -> list[tuple[int, Path]]:
+        """(leading CHUNK hashes shared with the prompt, path) of the files that share at least
+        one, most first, from the headers alone: a file sharing m chunk hashes shares at least
+        m * CHUNK tokens and fewer than (m + 1) * CHUNK (or all of itself)."""
         out = []
         for path in self.folder.glob(f"*{SUFFIX}"):
             try:
@@ -181,9 +183,12 @@ class PromptCache:
             except ValueError:
                 self._reject(path, "its prefix list is unreadable")
                 continue
-            if hashes and stored and stored[0] == hashes[0]:
-                out.append(path)
-        return out
+            m = 0
+            while m < min(len(stored), len(hashes)) and stored[m] == hashes[m]:
+                m += 1
+            if m:
+                out.append((m, path))
+        return sorted(out, key=lambda c: -c[0])
 
     def lookup(self, tokens: Sequence[int], limit: int, whole_only: bool = False) -> Hit | None:
         """The file sharing the longest token prefix with ``tokens`` (used up to ``limit`` tokens).
@@ -192,7 +197,9 @@ class PromptCache:
             return None
         want = np.asarray(tokens[:limit], dtype=np.int32)
         ranked = []
-        for path in self._candidates(chunk_hashes(want, 1)):
+        for m, path in self._candidates(chunk_hashes(want)):
+            if ranked and (m + 1) * CHUNK <= -min(ranked)[0]:
+                break  # this file and the rest share fewer tokens than one already found
             try:  # the token list only: the checksum is checked on the file chosen
                 stored = prompt_file.read(path, verify=False).tensors["tokens"]
             except (BadPromptFile, KeyError) as exc:
