@@ -89,8 +89,10 @@ class StepCost:
     def __init__(self):
         self.plain_s: deque[float] = deque(maxlen=RECENT)
         self.step_s: dict[int, deque[float]] = {}  # step length T → its recent timings
+        self._ratios: dict[int, float] | None = None  # ratios(), until the next timing
 
     def record(self, n_tokens: int, seconds: float) -> None:
+        self._ratios = None
         if n_tokens == 1:
             self.plain_s.append(seconds)
         else:
@@ -98,10 +100,11 @@ class StepCost:
 
     def ratios(self) -> dict[int, float]:
         """Step length → its cost in plain steps (lengths timed at least once, after a plain step)."""
-        if not self.plain_s:
-            return {}
-        base = min(self.plain_s)
-        return {t: max(1.0, min(times) / base) for t, times in self.step_s.items() if times}
+        if self._ratios is None:
+            base = min(self.plain_s) if self.plain_s else None
+            self._ratios = {} if base is None else \
+                {t: max(1.0, min(times) / base) for t, times in self.step_s.items() if times}
+        return self._ratios
 
     def extra(self) -> float:
         """The median extra cost of a drafted token over the lengths timed so far."""
