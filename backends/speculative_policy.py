@@ -29,10 +29,7 @@ timed fewer times by the cheaper of that and the per-token extra measured so far
 ``EXTRA_PRIOR`` per drafted token (a single slow timing, a busy moment, does not rule it out);
 one never timed is taken to be as cheap as the cheapest step timed so far, so each length is
 tried once where the expected acceptance would pay for it at that cost, and a cheap long step is
-found even after the short ones were dear. (Replayed over a fixed greedy copy of the bench's
-passage with llama.cpp-like costs per length, 2: 1.9, 5: 3.7, 9: 2.4 plain steps, and timings
-scattered as on a shared machine — a simulation, not a timing — this took the planner from
-about 1.4-1.6x to 2.2x, with the story at 0.99-1.00x.)
+found even after the short ones were dear.
 
 ``EXTRA_PRIOR``: the first full bench run (docs/benchmarks-reuse.md, 2 threads, load about 2)
 implies an extra 0.19 of a plain step per drafted token on torch (fp32 weights; more rows per
