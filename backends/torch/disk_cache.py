@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from localctx.kvcache import prompt_cache
 from localctx.kvcache.paged import PagedKVCache
 from localctx.kvcache.policy_cache import PolicyKVCache
-from localctx.kvcache import prompt_cache
 from localctx.kvcache.prompt_cache import CacheScope, Hit, PromptCache
 
 
