@@ -245,8 +245,9 @@ class LlamaCppSession(Session):
         return None
 
     def _disk_prefix(self, prompt_ids: list[int], clock: StatsClock) -> None:
-        """Before prefill: load a file that covers more of the prompt than the context does, and
-        evaluate up to the prompt's last chunk boundary and save that to disk."""
+        """Before prefill: load a file that covers more of the prompt than the context does (up to
+        the first token where they differ: llama.cpp cuts its cells anywhere), and evaluate all
+        but the prompt's last token and save that to disk when it adds a chunk or more."""
         store = self.prompt_cache
         if store is None:
             return
@@ -260,7 +261,7 @@ class LlamaCppSession(Session):
             else:
                 store.notice("prompt cache: llama.cpp refused a state file; prefilling instead")
                 start = 0
-        save_at = prompt_cache.save_point(len(prompt_ids), start)
+        save_at = prompt_cache.exact_save_point(len(prompt_ids), start)
         if save_at and not (self._chunks is not None and self._chunks.lossy_below(start)):  # exact KV only
             self.llm.n_tokens = start  # eval removes the cells from here on before decoding
             self.llm.eval(prompt_ids[start:save_at])

@@ -52,9 +52,8 @@ class LlamaCppVerifier:
         code = lib.llama_decode(llm._ctx.ctx, b)
         if code != 0:
             raise RuntimeFailure(f"llama.cpp could not decode a {T}-token verify step (code {code})")
-        out = np.empty((T, self.n_vocab), dtype=np.float32)
-        for j in range(T):
-            out[j] = np.ctypeslib.as_array(lib.llama_get_logits_ith(llm._ctx.ctx, j), shape=(self.n_vocab,))
+        # every position asked for logits: llama.cpp holds them as T rows in batch order; one copy
+        out = np.ctypeslib.as_array(lib.llama_get_logits(llm._ctx.ctx), shape=(T, self.n_vocab)).copy()
         llm.input_ids[n:n + T] = tokens
         llm.n_tokens = n + T
         if self.shift:

@@ -180,6 +180,8 @@ def speculative_tokens(verifier: Verifier, context: Sequence[int], first_logits:
         if draft:
             verifier.rollback(len(draft) - accepted)
             planner.acceptance.record(match, len(draft), accepted)
+        elif candidates:  # not drafted: would the first proposal have been accepted? (no cost to learn it)
+            planner.acceptance.record_shadow(match, candidates[0], tok)
         counters.add(len(draft), accepted)
         for d in draft[:accepted]:
             yield d

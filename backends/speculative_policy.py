@@ -9,18 +9,27 @@ one word changed), the first drafted token was accepted at 22% of the positions 
 match, 26% (2), 36% (3), 67% (4 to 7, few positions) in the story, and 98% of the positions with
 a match of 8 tokens or more in the copy, where most positions sit. ``PRIOR`` holds these rates
 (rounded down: a wrong guess on free text costs more than one on copying); each session's own
-outcomes then move them, with ``PRIOR_WEIGHT`` pseudo-observations against each real one. A
-drafted token accepted at match length m leaves a match of m + 1 for the next one, so a draft's
-expected accepted tokens are E(k) = sum over j < k of the product of p(m), p(m + 1), ... p(m + j).
+outcomes then move them, with ``PRIOR_WEIGHT`` pseudo-observations against each real one. Every
+step is an outcome, drafted or not: after a plain step the loop checks whether the token the
+drafter would have proposed is the one the model chose (``record_shadow``), the same event as a
+drafted token being accepted. Without that, a match length at which the prior says "do not
+draft" would never be tried and so never learnt: on the bench's copy task the planner waited for
+8-token matches before every draft (1.27 tokens per step). A drafted token accepted at match
+length m leaves a match of m + 1 for the next one, so a draft's expected accepted tokens are
+E(k) = sum over j < k of the product of p(m), p(m + 1), ... p(m + j).
 
-**Cost.** Every step is timed. Plain (one-token) steps give the base time; a verify step of
-T tokens gives its cost in plain steps, time / base, kept per T, and the extra cost per drafted
-token, (time / base - 1) / (T - 1). All are medians of the recent steps (the machine may be
-shared; one slow step moves nothing). A step's cost is not linear in T: on llama.cpp (2 threads,
+**Cost.** Every step is timed. A step's cost in plain steps is the fastest of the recent steps
+of its length over the fastest of the recent plain (one-token) steps: on a shared machine other
+work only ever adds time, so the fastest recent timing is the step's own cost and a median would
+count the load (a verify step, longer, is more often caught by it). The extra cost per drafted
+token is (ratio - 1) / (T - 1). A step's cost is not linear in T: on llama.cpp (2 threads,
 idle) a 2-token step took 1.8-2.0 plain steps, a 5-token one 3.7, while the last bench's 9-token
-steps averaged about 2.4. So a length already timed is judged by its own median, and a length
-not yet timed by the cheaper of the per-token extra measured so far and ``EXTRA_PRIOR`` per
-drafted token: each length is tried once the prior justifies it, and then its own timing decides.
+steps averaged about 2.4. So a length timed ``TRUSTED`` times is judged by its own timing; one
+timed fewer times by the cheaper of that and the per-token extra measured so far or
+``EXTRA_PRIOR`` per drafted token (a single slow timing, a busy moment, does not rule it out);
+one never timed is taken to be as cheap as the cheapest step timed so far, so each length is
+tried once where the expected acceptance would pay for it at that cost, and a cheap long step is
+found even after the short ones were dear.
 
 ``EXTRA_PRIOR``: the first full bench run (docs/benchmarks-reuse.md, 2 threads, load about 2)
 implies an extra 0.19 of a plain step per drafted token on torch (fp32 weights; more rows per
@@ -40,6 +49,7 @@ PRIOR_WEIGHT = 4.0
 EXTRA_PRIOR = 0.5
 MIN_GAIN = 1.05
 RECENT = 15
+TRUSTED = 3  # timings of a step length before its own cost alone decides
 
 
 class Acceptance:
@@ -69,33 +79,49 @@ class Acceptance:
             self.tried[m] += 1
             self.accepted[m] += 1 if j < accepted else 0
 
+    def record_shadow(self, match: int, proposed: int, chosen: int) -> None:
+        """A plain step at a suffix match of ``match`` tokens: the drafter would have proposed
+        ``proposed`` and the model chose ``chosen`` — one trial, as if drafted."""
+        self.record(match, 1, int(proposed == chosen))
+
 
 class StepCost:
-    """The extra cost of one drafted token in a verify step, relative to a plain step, from timings."""
+    """What a verify step costs in plain steps, from the fastest recent timing of each length."""
 
     def __init__(self):
         self.plain_s: deque[float] = deque(maxlen=RECENT)
-        self.extras: deque[float] = deque(maxlen=RECENT)
-        self.ratios: dict[int, deque[float]] = {}  # step length T → its recent costs in plain steps
+        self.step_s: dict[int, deque[float]] = {}  # step length T → its recent timings
+        self._ratios: dict[int, float] | None = None  # ratios(), until the next timing
 
     def record(self, n_tokens: int, seconds: float) -> None:
+        self._ratios = None
         if n_tokens == 1:
             self.plain_s.append(seconds)
-        elif self.plain_s:
-            ratio = seconds / statistics.median(self.plain_s)
-            self.extras.append(max(0.0, (ratio - 1.0) / (n_tokens - 1)))
-            self.ratios.setdefault(n_tokens, deque(maxlen=RECENT)).append(max(1.0, ratio))
+        else:
+            self.step_s.setdefault(n_tokens, deque(maxlen=RECENT)).append(seconds)
+
+    def ratios(self) -> dict[int, float]:
+        """Step length → its cost in plain steps (lengths timed at least once, after a plain step)."""
+        if self._ratios is None:
+            base = min(self.plain_s) if self.plain_s else None
+            self._ratios = {} if base is None else \
+                {t: max(1.0, min(times) / base) for t, times in self.step_s.items() if times}
+        return self._ratios
 
     def extra(self) -> float:
-        return statistics.median(self.extras) if self.extras else EXTRA_PRIOR
+        """The median extra cost of a drafted token over the lengths timed so far."""
+        extras = [(r - 1.0) / (t - 1) for t, r in self.ratios().items()]
+        return statistics.median(extras) if extras else EXTRA_PRIOR
 
     def step_ratio(self, n_tokens: int) -> float:
-        """What a step of ``n_tokens`` costs in plain steps: its own median where timed, else the
-        cheaper of the measured per-token extra and the prior's."""
-        timed = self.ratios.get(n_tokens)
-        if timed:
-            return statistics.median(timed)
-        return 1.0 + min(self.extra(), EXTRA_PRIOR) * (n_tokens - 1)
+        """What a step of ``n_tokens`` costs in plain steps: its own timing once it is TRUSTED,
+        else the cheaper of that and the per-token estimate (the measured extra or the prior's)."""
+        ratios = self.ratios()
+        estimate = 1.0 + min(self.extra(), EXTRA_PRIOR) * (n_tokens - 1)
+        timed = ratios.get(n_tokens)
+        if timed is None:  # never timed: as cheap as the cheapest step timed so far, so it is tried once
+            return min([estimate, *ratios.values()])
+        return timed if len(self.step_s[n_tokens]) >= TRUSTED else min(timed, estimate)
 
 
 class DraftPlanner:

@@ -4,13 +4,20 @@ later prompt that starts with the same tokens loads it and prefills only the res
 Where: ``<cache dir>/prompts/<scope>/<prefix hash>.safetensors`` (``kvcache/prompt_file.py``).
 A scope is one (model content hash, backend, KV policy, cache layout); a file holds the cache
 of one token prefix, in the cache's own format (quantized groups stay quantized, a window keeps
-its positions), and its metadata lists a hash of every CHUNK-token prefix of those tokens.
+its positions), with that token list, and its metadata lists a hash of every CHUNK-token prefix
+of those tokens: an index, so that a lookup reads only the headers to find the files worth
+opening.
 
-Prefixes are saved and reused at multiples of CHUNK (the backends' prefill chunk), so a prompt
-continued from a file is prefilled in exactly the chunks a cold run uses: the output is the cold
-run's, bit for bit. A file is used only if its metadata names this scope and its length and
-checksum hold; otherwise it is removed with a one-line notice. Disk use is bounded: after each
-write the least recently used files (mtime, touched on every hit) go until the total fits."""
+Two ways to save and reuse, by what the cache can do:
+- a cache that can be cut back at any token (llama.cpp's cells, the torch engine's paged fp16/fp32
+  cache) saves the whole prompt but its last token (``exact_save_point``: that one is evaluated
+  again, for the logits) and reuses a file up to the first token where it and the prompt differ;
+- a cache that cannot (quantized groups with a full-precision tail, MLX's caches) saves at the
+  last CHUNK boundary (``save_point``: a continued prompt is then prefilled in exactly the
+  chunks a cold run uses) and uses a file only whole (``lookup(whole_only=True)``).
+A file is used only if its metadata names this scope and its length and checksum hold; otherwise
+it is removed with a one-line notice. Disk use is bounded: after each write the least recently
+used files (mtime, touched on every hit) go until the total fits."""
 from __future__ import annotations
 
 import hashlib
@@ -113,10 +120,24 @@ def save_point(n_prompt: int, reused: int) -> int:
     return at if at >= MIN_TOKENS and at > reused and reused % CHUNK == 0 else 0
 
 
+def exact_save_point(n_prompt: int, reused: int) -> int:
+    """Where a cache that can be cut at any token saves a prompt: all but its final token, when
+    that adds at least CHUNK tokens to what was reused (a second question about a loaded document
+    writes no second copy of it); else 0."""
+    at = n_prompt - 1
+    return at if at >= MIN_TOKENS and at - reused >= CHUNK else 0
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
 @dataclass
 class Hit:
     file: PromptFile
-    n_tokens: int  # tokens of the file this prompt can use (a CHUNK multiple)
+    n_tokens: int  # tokens of the file this prompt can use (its common prefix with the file)
 
 
 class PromptCache:
@@ -142,8 +163,10 @@ class PromptCache:
         self.notice(f"prompt cache: ignoring {path.name}: {why}; removed it")
         path.unlink(missing_ok=True)
 
-    def _candidates(self, hashes: list[str]) -> list[tuple[int, int, Path]]:
-        """(usable chunks, stored chunks, path), best first, from the headers alone."""
+    def _candidates(self, hashes: list[str]) -> list[tuple[int, Path]]:
+        """(leading CHUNK hashes shared with the prompt, path) of the files that share at least
+        one, most first, from the headers alone: a file sharing m chunk hashes shares at least
+        m * CHUNK tokens and fewer than (m + 1) * CHUNK (or all of itself)."""
         out = []
         for path in self.folder.glob(f"*{SUFFIX}"):
             try:
@@ -160,38 +183,48 @@ class PromptCache:
             except ValueError:
                 self._reject(path, "its prefix list is unreadable")
                 continue
-            n = 0
-            while n < min(len(stored), len(hashes)) and stored[n] == hashes[n]:
-                n += 1
-            if n:
-                out.append((n, len(stored), path))
-        return sorted(out, key=lambda c: (-c[0], c[1]))
+            m = 0
+            while m < min(len(stored), len(hashes)) and stored[m] == hashes[m]:
+                m += 1
+            if m:
+                out.append((m, path))
+        return sorted(out, key=lambda c: -c[0])
 
     def lookup(self, tokens: Sequence[int], limit: int, whole_only: bool = False) -> Hit | None:
-        """The file sharing the longest CHUNK-aligned prefix with ``tokens`` (at most ``limit``
-        tokens). ``whole_only``: the cache cannot be cut back, so only files used whole count."""
-        if limit < CHUNK or not self.folder.is_dir():
+        """The file sharing the longest token prefix with ``tokens`` (used up to ``limit`` tokens).
+        ``whole_only``: the cache cannot be cut back, so a file counts only if all of it is used."""
+        if limit < MIN_TOKENS or not self.folder.is_dir():
             return None
-        hashes = chunk_hashes(tokens, limit // CHUNK)
-        for usable, stored, path in self._candidates(hashes):
-            if whole_only and usable != stored:
+        want = np.asarray(tokens[:limit], dtype=np.int32)
+        ranked = []
+        for m, path in self._candidates(chunk_hashes(want)):
+            if ranked and (m + 1) * CHUNK <= -min(ranked)[0]:
+                break  # this file and the rest share fewer tokens than one already found
+            try:  # the token list only: the checksum is checked on the file chosen
+                stored = prompt_file.read(path, verify=False).tensors["tokens"]
+            except (BadPromptFile, KeyError) as exc:
+                self._reject(path, str(exc) if isinstance(exc, BadPromptFile) else "it holds no token list")
                 continue
+            n = common_prefix(stored, want)
+            if whole_only and n != len(stored):
+                continue
+            if n >= MIN_TOKENS:
+                ranked.append((-n, len(stored), path))
+        for minus_n, _, path in sorted(ranked):
             try:
                 f = prompt_file.read(path)
             except BadPromptFile as exc:
                 self._reject(path, str(exc))
                 continue
-            n = usable * CHUNK
-            if not np.array_equal(f.tensors["tokens"][:n], np.asarray(tokens[:n], dtype=np.int32)):
-                continue  # a hash collision: not this prompt
             os.utime(path)  # least-recently-used order
-            return Hit(f, n)
+            return Hit(f, -minus_n)
         return None
 
     def save(self, tokens: Sequence[int], tensors: dict[str, np.ndarray], extra: dict[str, str]) -> Path | None:
-        """Write the cache of ``tokens`` (a CHUNK multiple) unless a file already holds it."""
+        """Write the cache of ``tokens`` unless a file already holds it."""
         hashes = chunk_hashes(tokens)
-        path = self.folder / f"{hashes[-1]}{SUFFIX}"
+        name = hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()[:16]
+        path = self.folder / f"{name}{SUFFIX}"
         if path.exists():
             os.utime(path)
             return None

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from localctx.kvcache import prompt_cache, prompt_file
-from localctx.kvcache.prompt_cache import CHUNK, CacheScope, PromptCache, chunk_hashes, save_point
+from localctx.kvcache.prompt_cache import (CHUNK, MIN_TOKENS, CacheScope, PromptCache, chunk_hashes, exact_save_point,
+                                           save_point)
 from localctx.kvcache.prompt_file import BadPromptFile
 
 SCOPE = CacheScope(model_hash="a" * 64, backend="torch", policy="int4", layout="policy|float32|2x1x32")
@@ -45,6 +46,29 @@ def test_a_saved_prefix_is_found_for_a_longer_prompt_and_round_trips_bit_exact()
     assert s.lookup(other, limit=len(other) - 1).n_tokens == CHUNK
     assert s.lookup(other, limit=len(other) - 1, whole_only=True) is None
     assert s.lookup(tokens(3 * CHUNK, seed=5), limit=3 * CHUNK - 1) is None
+
+
+def test_a_prefix_that_ends_mid_chunk_is_used_to_the_first_differing_token():
+    s = store()
+    doc = tokens(3 * CHUNK)
+    n_file = 2 * CHUNK + 300  # a file saved at no chunk boundary (all of a prompt but its last token)
+    s.save(doc[:n_file], payload(n_file), {})
+    # the prompt leaves the file mid-chunk, 123 tokens into its last (partial) chunk
+    edited = doc[:2 * CHUNK + 123] + [doc[2 * CHUNK + 123] + 1] + doc[2 * CHUNK + 124:]
+    assert s.lookup(edited, limit=len(edited) - 1).n_tokens == 2 * CHUNK + 123
+    assert s.lookup(edited, limit=len(edited) - 1, whole_only=True) is None
+    # ... and mid-way through a whole chunk
+    edited = doc[:CHUNK + 77] + tokens(2 * CHUNK, seed=11)
+    assert s.lookup(edited, limit=len(edited) - 1).n_tokens == CHUNK + 77
+    # the limit caps what is used (the prompt's last token is always evaluated again)
+    assert s.lookup(doc[:n_file], limit=n_file - 1).n_tokens == n_file - 1
+    assert s.lookup(doc[:n_file], limit=n_file - 1, whole_only=True) is None
+    hit = s.lookup(doc[:n_file + 1], limit=n_file, whole_only=True)
+    assert hit.n_tokens == n_file and np.array_equal(hit.file.tensors["tokens"], doc[:n_file])
+    # of two files the one sharing more tokens wins, though both share the same whole chunks
+    s.save(doc[:2 * CHUNK + 50] + tokens(400, seed=3), payload(2 * CHUNK + 450), {})
+    assert s.lookup(doc, limit=len(doc) - 1).n_tokens == n_file
+    assert s.lookup(doc[:2 * CHUNK + 50] + tokens(400, seed=3) + [7], limit=2 * CHUNK + 450).n_tokens == 2 * CHUNK + 450
 
 
 def test_the_file_is_valid_safetensors_with_its_metadata():
@@ -152,6 +176,15 @@ def test_save_points_are_chunk_boundaries_after_whole_chunks():
     assert save_point(8200, 1000) == 0  # prefill from 1000 does not run in the cold run's chunks
     assert save_point(8200, 2 * CHUNK) == 16 * CHUNK
     assert len(chunk_hashes(tokens(3 * CHUNK + 5))) == 3
+
+
+def test_exact_save_points_keep_all_but_the_last_token_when_that_adds_a_chunk():
+    assert exact_save_point(MIN_TOKENS, 0) == 0  # too short to be worth a file
+    assert exact_save_point(MIN_TOKENS + 1, 0) == MIN_TOKENS
+    assert exact_save_point(7622, 0) == 7621
+    assert exact_save_point(7622, 1000) == 7621  # any reused length: the cache is cut anywhere
+    assert exact_save_point(7622, 7500) == 0  # a second question: no second copy of the document
+    assert exact_save_point(7622, 7621 - CHUNK) == 7621
 
 
 def test_model_hash_is_of_the_content_and_remembered_per_file_version(tmp_path):

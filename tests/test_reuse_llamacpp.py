@@ -80,7 +80,8 @@ def test_auto_stays_off_on_llamacpp_and_says_why():
 
 
 def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_run():
-    # ~590 tokens: one whole CHUNK goes to disk and ~100 tokens are left to prefill after loading it
+    # ~590 tokens: the first prompt but its last token goes to disk; the second question loads it up
+    # to the first token where the questions differ (mid-chunk) and prefills only the rest
     # (lookups over several chunks: test_prompt_cache.py)
     doc = "\n\n".join(topics.topics[k].strip() for k in ("calls", "assignment", "if"))[:2600]
     q1 = [{"role": "user", "content": doc + "\n\nWhat is a call?"}]
@@ -89,16 +90,20 @@ def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_ru
     cold_req = SessionRequest(model=None, backend="llamacpp", kv="int4", context=1024)
     with open_session(cold_req) as s:
         cold, _ = tokens_of(s, q2, "off", n=24)
+        ids1, ids2 = s.tokenize(q1), s.tokenize(q2)
+    common = next(i for i, (a, b) in enumerate(zip(ids1, ids2)) if a != b)
+    assert common % CHUNK and common > CHUNK
     with open_session(req) as s:
         _, first = tokens_of(s, q1, "off", n=4)
         per_token = s.kv_state()[0] // s.kv_state()[1]
     [entry] = prompt_cache.entries()
     n_file = int(entry.meta["n_tokens"])
-    assert n_file == (first.prompt_tokens - 1) // CHUNK * CHUNK >= CHUNK
+    assert n_file == first.prompt_tokens - 1
     with open_session(req) as s:
         hit, stats = tokens_of(s, q2, "off", n=24)
-    assert stats.loaded_tokens == n_file
+    assert stats.loaded_tokens == stats.cached_tokens == common
     assert hit == cold
+    assert len(prompt_cache.entries()) == 1  # the few new tokens made no second copy of the document
     # llama.cpp's own state format: the q4_0 K/V rows plus a little per-cell bookkeeping
     assert 0 <= entry.size - n_file * per_token < 32 * n_file + 8192
 

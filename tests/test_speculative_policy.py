@@ -3,13 +3,11 @@ session's outcomes and the measured cost of a verify step."""
 from __future__ import annotations
 
 import itertools
-from collections import deque
-
 import numpy as np
 
 from localctx.backends.base import GenerationParams, StatsClock
 from localctx.backends.speculative import NgramDrafter, speculative_tokens
-from localctx.backends.speculative_policy import EXTRA_PRIOR, PRIOR, Acceptance, DraftPlanner, StepCost
+from localctx.backends.speculative_policy import EXTRA_PRIOR, PRIOR, TRUSTED, Acceptance, DraftPlanner, StepCost
 
 
 def test_lookup_counts_how_far_back_the_match_reaches():
@@ -53,32 +51,70 @@ def test_acceptance_moves_the_prior_by_observed_trials_and_chains_match_lengths(
     assert np.isclose(e[0], acc.p(6)) and np.isclose(e[1], acc.p(6) + acc.p(6) * acc.p(7))
 
 
+def timed(planner: DraftPlanner, ratio_of) -> None:
+    """Give ``planner`` a plain step of 10 ms and TRUSTED timings of every verify length."""
+    planner.cost.record(1, 0.010)
+    for t in range(2, 10):
+        for _ in range(TRUSTED):
+            planner.cost.record(t, 0.010 * ratio_of(t))
+
+
 def test_measured_verify_cost_decides_the_draft_length():
     cost = StepCost()
     assert cost.extra() == EXTRA_PRIOR
     cost.record(5, 0.5)  # no plain step timed yet: nothing to compare with
-    assert cost.extra() == EXTRA_PRIOR
+    assert cost.extra() == EXTRA_PRIOR and cost.step_ratio(5) == 1 + 4 * EXTRA_PRIOR
+    cost = StepCost()
     for s in (0.010, 0.011, 0.009):
         cost.record(1, s)
-    cost.record(5, 0.030)  # 4 extra tokens cost 2 plain steps
+    for _ in range(TRUSTED):
+        cost.record(5, 0.027)  # 4 extra tokens cost 2 plain steps (against the fastest plain step)
     assert np.isclose(cost.extra(), 0.5)
     assert np.isclose(cost.step_ratio(5), 3.0) and np.isclose(cost.step_ratio(3), 2.0)  # timed; untimed: 1 + 0.5 * 2
     cheap, dear = DraftPlanner(8), DraftPlanner(8)
-    for planner, extra in ((cheap, 0.05), (dear, 2.0)):
-        planner.cost.extras.extend([extra] * 3)
-        planner.cost.ratios = {t: deque([1 + extra * (t - 1)]) for t in range(2, 10)}  # every length timed
+    timed(cheap, lambda t: 1 + 0.05 * (t - 1))
+    timed(dear, lambda t: 1 + 2.0 * (t - 1))
     assert cheap.length(8, 8) == 8
     assert dear.length(8, 8) == 0
 
 
-def test_a_length_not_yet_timed_is_tried_at_the_prior_cost_then_judged_by_its_own_timing():
+def test_a_loaded_machine_does_not_make_verify_steps_look_dear():
+    cost = StepCost()
+    for s in (0.010, 0.031, 0.012, 0.045):  # plain steps, some caught by other work
+        cost.record(1, s)
+    for s in (0.080, 0.024, 0.070):  # 9-token steps: the quiet one is 2.4 plain steps
+        cost.record(9, s)
+    assert np.isclose(cost.step_ratio(9), 2.4)
+
+
+def test_a_length_not_yet_timed_is_tried_as_cheap_as_the_cheapest_then_judged_by_its_own_timing():
     planner = DraftPlanner(8)
-    planner.cost.extras.extend([0.9] * 3)  # short verify steps were dear (llama.cpp: a fixed cost per batch)
-    planner.cost.ratios = {2: deque([1.9]), 3: deque([2.8])}
-    assert planner.cost.step_ratio(9) == 1 + EXTRA_PRIOR * 8  # untimed: the prior, not 1 + 0.9 * 8
-    assert planner.length(8, 8) >= 3  # a long match drafts past the dear lengths, at the prior's cost
-    planner.cost.ratios.update({t: deque([1 + 0.9 * (t - 1)]) for t in range(4, 10)})  # all timed, all dear
+    planner.cost.record(1, 0.010)
+    for _ in range(TRUSTED):  # short verify steps were dear (llama.cpp: a fixed cost per batch)
+        planner.cost.record(2, 0.019)
+        planner.cost.record(3, 0.028)
+    assert np.isclose(planner.cost.extra(), 0.9)
+    # never timed: as cheap as the cheapest step timed so far (llama.cpp's 9-token steps can cost
+    # less than its 5-token ones), not 1 + 0.9 * 8, so a long match tries the longest draft once
+    assert np.isclose(planner.cost.step_ratio(9), 1.9)
+    assert planner.length(8, 8) == 8
+    planner.cost.record(9, 0.090)  # one slow timing of a long step does not yet rule it out
+    assert planner.cost.step_ratio(9) == 1 + EXTRA_PRIOR * 8
+    timed(planner, lambda t: 1 + 0.9 * (t - 1))  # all timed, all dear
     assert planner.length(8, 8) == 0
+
+
+def test_plain_steps_teach_the_acceptance_of_the_match_lengths_that_never_draft():
+    planner = DraftPlanner(8)
+    assert planner.length(3, 8) == 0  # the prior: a 3-token match is accepted about one time in three
+    for _ in range(20):  # a copy: the proposal after a 3-token match is what the model chose
+        planner.acceptance.record_shadow(3, proposed=42, chosen=42)
+        planner.acceptance.record_shadow(4, proposed=42, chosen=42)
+    assert planner.acceptance.p(3) > 0.8 and planner.length(3, 8) > 0
+    story = DraftPlanner(8)
+    for _ in range(20):
+        story.acceptance.record_shadow(8, proposed=42, chosen=7)
+    assert story.acceptance.p(8) < PRIOR[8] / 2 and story.length(8, 8) == 0
 
 
 class CountingVerifier:

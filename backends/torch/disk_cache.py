@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from localctx.kvcache import prompt_cache
 from localctx.kvcache.paged import PagedKVCache
 from localctx.kvcache.policy_cache import PolicyKVCache
 from localctx.kvcache.prompt_cache import CacheScope, Hit, PromptCache
@@ -44,8 +45,16 @@ def save(store: PromptCache, cache, seq_id: int, tokens: list[int]) -> None:
 
 
 def lookup(store: PromptCache, cache, tokens: list[int], limit: int) -> Hit | None:
-    """A paged cache can use any CHUNK prefix of a file; a policy cache only a whole file."""
+    """A paged cache can use any prefix of a file; a policy cache only a whole file."""
     return store.lookup(tokens, limit, whole_only=not isinstance(cache, PagedKVCache))
+
+
+def save_point(cache, n_prompt: int, reused: int) -> int:
+    """A paged cache saves all but the prompt's last token; a policy cache (quantized groups,
+    windows: not cut back at any token) its last CHUNK boundary, to be used whole."""
+    if isinstance(cache, PagedKVCache):
+        return prompt_cache.exact_save_point(n_prompt, reused)
+    return prompt_cache.save_point(n_prompt, reused)
 
 
 def load(cache, seq_id: int, hit: Hit) -> None:

@@ -138,9 +138,9 @@ class TorchSession(Session):
 
         def prefill() -> torch.Tensor:
             start = self._load_from_disk(ids, reused, clock)
-            save_at = prompt_cache.save_point(len(ids), start) if self.prompt_cache is not None else 0
+            save_at = disk_cache.save_point(cache, len(ids), start) if self.prompt_cache is not None else 0
             try:
-                if save_at:  # the prompt's cache at its last chunk boundary goes to disk on the way
+                if save_at:  # the prompt's cache (all but its last token, or to a chunk boundary) goes to disk
                     self.engine.prefill(CONVERSATION, ids[start:save_at])
                     self.history.extend(ids[start:save_at])
                     start = save_at
