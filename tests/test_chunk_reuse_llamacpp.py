@@ -160,9 +160,9 @@ def tiny_session(tmp_path, arch: str):
 
 
 def test_moved_cells_never_reach_the_prompt_cache_on_disk(tmp_path):
-    """A prompt whose cached prefix ends on a file boundary would save the cache up to its next
-    boundary; with moved (inexact) cells in that prefix it must not, as the same steps without a
-    move do."""
+    """A prompt whose cached prefix ends on a file boundary would save its cache (all but its last
+    token: llama.cpp's cells can be cut anywhere); with moved (inexact) cells in that prefix it
+    must not, as the same steps without a move do."""
     from localctx.backends.base import StatsClock
     from localctx.kvcache import prompt_cache
 
@@ -180,7 +180,7 @@ def test_moved_cells_never_reach_the_prompt_cache_on_disk(tmp_path):
         s.reset()
         s.llm.eval([bos] + b)  # the same cells, prefilled exactly
         s._disk_prefix(later, StatsClock(backend="llamacpp", policy="fp16"))
-        assert [int(e.meta["n_tokens"]) for e in prompt_cache.entries()] == [1024]
+        assert [int(e.meta["n_tokens"]) for e in prompt_cache.entries()] == [len(later) - 1]
 
 
 def test_a_sliding_window_model_in_the_compact_cache_is_refused(tmp_path):
