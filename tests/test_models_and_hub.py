@@ -62,10 +62,15 @@ def test_pull_rejects_a_non_repo_id(cli):
     assert res.code == 2 and "OWNER/NAME" in res.err
 
 
+# the fake answers 12 + len(prompt) % 20 words: 31 here, 9.3 s at 0.3 s a word, so Ctrl-C half a
+# second into the answer lands mid-stream even when a loaded machine delays this test's process
+ANSWER_31_WORDS = "a long answer, please: each last word!!"
+
+
 def test_ctrl_c_stops_cleanly_and_keeps_what_was_generated():
     env = dict(os.environ, LOCALCTX_FAKE_DELAY="0.3", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "localctx.app.cli", "run", "--backend", "fake",
-                             "--max-tokens", "400", "a long answer, please!"], env=env,
+                             "--max-tokens", "400", ANSWER_31_WORDS], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stdout.read(7)  # blocks until the answer has started streaming
     time.sleep(0.5)
