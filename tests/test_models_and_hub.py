@@ -71,7 +71,10 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_was_generated():
     env = dict(os.environ, LOCALCTX_FAKE_DELAY="0.3", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "localctx.app.cli", "run", "--backend", "fake",
                              "--max-tokens", "400", ANSWER_31_WORDS], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a suite started in the background (`cmd &`) inherits SIGINT ignored,
+                            # and Python then keeps it ignored: the child gets the default back
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(7)  # blocks until the answer has started streaming
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
