@@ -40,7 +40,7 @@ from localctx.kvcache.block_pool import BlockPool, PoolExhausted
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.layer_store import LayerStore
 from localctx.kvcache.policy import KVPolicy, layer_policy
-from localctx.kvcache.quant_attention import FullTokens, KeyView, attend_reference, attend_visible
+from localctx.kvcache.quant_attention import FullTokens, attend_reference, attend_visible
 
 
 @dataclass(frozen=True)
@@ -358,9 +358,9 @@ class PolicyKVCache:
                               torch.cat([full.v, aged[1].transpose(0, 1)], dim=1), full.positions)
             index.append(aged[2])
             quantized.append(torch.zeros_like(aged[2], dtype=torch.bool))
-        v = chunk_view.chunk_view(policy, torch.arange(n_seen, n_seen + T, device=full_idx.device), torch.cat(index),
-                                  torch.cat(quantized), evicts_first=kept, model_window=self.model_windows[layer_idx])
-        view = KeyView(v.visible, v.key_positions, v.q_positions, v.sink_keys, v.q_sink_positions)
+        view = chunk_view.chunk_view(policy, torch.arange(n_seen, n_seen + T, device=full_idx.device),
+                                     torch.cat(index), torch.cat(quantized), evicts_first=kept,
+                                     model_window=self.model_windows[layer_idx])
         return attend_visible(q, full, groups, self.ropes[layer_idx], view).out
 
     def end_step(self) -> None:

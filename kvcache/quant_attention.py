@@ -28,8 +28,9 @@ Grouped-query attention: query head h reads KV head h // (n_heads / n_kv_heads).
 With ``want_mass`` the result also carries each key's attention mass (softmax probabilities
 summed over the T queries and all query heads), which heavy-hitter eviction accumulates.
 
-``attend_visible`` is the same attention with the visibility given per query (a ``KeyView``):
-a chunk of prefill whose queries, as in decoding, see different keys — the window moving, groups
+``attend_visible`` is the same attention with the visibility given per query (a
+``kvcache.chunk_view.ChunkView`` over the keys in ``gather_keys_values`` order: quantized groups
+first, then the full-precision tokens): a chunk of prefill whose queries, as in decoding, see different keys — the window moving, groups
 aged into their quantized form (the key list then holds both forms of those tokens), and the
 sinks at positions that eviction has moved closer (``kvcache/chunk_view.py`` builds the view).
 """
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from localctx.kvcache.chunk_view import ChunkView
 from localctx.kvcache.quant import FullGroups, QuantizedTensor, dequantize_keys, dequantize_values
 
 
@@ -96,20 +98,7 @@ def gather_keys_values(full: FullTokens, quant: QuantGroups | None, dtype: torch
     return k, v, torch.cat([quant.positions.reshape(-1), full.positions])
 
 
-@dataclass(frozen=True)
-class KeyView:
-    """What each query of a chunk sees, over the keys in ``gather_keys_values`` order (quantized
-    groups first, then the full-precision tokens)."""
-    visible: torch.Tensor  # [T, L] bool
-    key_positions: torch.Tensor  # [L] long: where each key is rotated
-    q_positions: torch.Tensor  # [T] long: where each query is rotated against the keys
-    # keys whose distance to a query is taken in a frame of their own (the sinks, once eviction
-    # has moved them closer: query − key is then q_sink_positions − key_positions); None: none
-    sink_keys: torch.Tensor | None = None  # [L] bool
-    q_sink_positions: torch.Tensor | None = None  # [T] long
-
-
-def attend_visible(q: torch.Tensor, full: FullTokens, quant: QuantGroups | None, rope, view: KeyView, *,
+def attend_visible(q: torch.Tensor, full: FullTokens, quant: QuantGroups | None, rope, view: ChunkView, *,
                    scale: float | None = None) -> AttentionResult:
     """Attention where ``view`` says, per query, which keys it sees and at what distance (the
     positions in ``full`` and ``quant`` are not read)."""
