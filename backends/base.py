@@ -31,6 +31,7 @@ class GenerationParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     speculate: str = "off"  # prompt-lookup drafts (backends/speculative.py): "auto", "ngram" or "off"
+    ignore_eos: bool = False  # an end-of-text token does not end the answer (benchmarks: every answer runs max_tokens)
 
 
 @dataclass(frozen=True)

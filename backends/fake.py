@@ -67,8 +67,14 @@ class FakeSession(Session):
         rng = random.Random(seed)
         tail = [rng.choice(_WORDS) + " " for _ in range(max(0, params.max_tokens - len(head) - 1))]
         words = ["Reply: "] + head + tail
-        n_answer = 12 + len(last_user) % 20  # ends with EOS unless max_tokens comes first
-        return words[:n_answer]
+        return words
+
+    @staticmethod
+    def _answer_length(prompt: Prompt) -> int:
+        """Where the reply ends with EOS (unless max_tokens comes first, or ignore_eos goes past it)."""
+        last_user = prompt if isinstance(prompt, str) else next(
+            (m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+        return 12 + len(last_user) % 20
 
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
@@ -83,17 +89,19 @@ class FakeSession(Session):
         clock = StatsClock(backend="fake", policy=str(self.plan.policy), prompt_tokens=len(tokens),
                            cached_tokens=common)
         reply = self._reply(prompt, params)
+        n_answer = self._answer_length(prompt)
         self.vocab = reply
 
         def ids() -> Iterator[int]:
-            for i, _word in enumerate(reply):
+            for i in range(len(reply) + 1):  # EOS after n_answer words; with ignore_eos the words go on
                 if self.delay:
                     time.sleep(self.delay)
-                yield i
-            yield EOS
+                if i == n_answer:
+                    yield EOS
+                yield i if i < len(reply) else EOS
 
         def accept(i: int) -> None:
-            self.history.append(reply[i])
+            self.history.append("</s>" if i == EOS else reply[i])
 
         yield from stream(ids(), token_bytes=lambda i: reply[i].encode(), eos={EOS}, params=params,
                           clock=clock, probe=KVProbe(self._kv), cancel=cancel, on_accept=accept)

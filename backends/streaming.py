@@ -83,13 +83,15 @@ def stream(tokens: Iterator[int] | Generator[int, None, str | None], *, token_by
             else:
                 clock.decode_s += now - last
             last = now
-            if tok in eos:
+            end_of_text = tok in eos
+            if end_of_text and not params.ignore_eos:
                 finish = "stop"
                 break
             clock.generated_tokens += 1
             if on_accept is not None:
                 on_accept(tok)
-            text, hit = matcher.feed(decoder.decode(token_bytes(tok)))
+            # an end-of-text token that does not end the answer (ignore_eos) counts but shows no text
+            text, hit = matcher.feed("" if end_of_text else decoder.decode(token_bytes(tok)))
             yield GenerationEvent("token", clock.stats(*probe.read()), text=text, token=tok)
             if hit:
                 finish = "stop"

@@ -81,7 +81,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, first.split()[2]
 
 
-def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> Sample:
+def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int, ignore_eos: bool = False) -> Sample:
     started = time.perf_counter()
     first = last = None
     tokens = cached = 0
@@ -89,7 +89,8 @@ def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int) -> S
     try:
         stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                 temperature=0, stream=True,
-                                                stream_options={"include_usage": True})
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True} if ignore_eos else None)
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 last = time.perf_counter()
@@ -112,7 +113,8 @@ def question(i: int, n_words: int = 24) -> list:
     return [{"role": "user", "content": f"Request {i}: " + " ".join(words) + ". Continue the text."}]
 
 
-def concurrent(client, model, n_clients: int, n_requests: int, max_tokens: int, offset: int) -> list[Sample]:
+def concurrent(client, model, n_clients: int, n_requests: int, max_tokens: int, offset: int,
+               ignore_eos: bool = False) -> list[Sample]:
     samples: list[Sample] = []
     lock = threading.Lock()
     barrier = threading.Barrier(n_clients)
@@ -120,7 +122,7 @@ def concurrent(client, model, n_clients: int, n_requests: int, max_tokens: int, 
     def run(c: int) -> None:
         barrier.wait()
         for r in range(n_requests):
-            s = ask(client, model, question(offset + c * n_requests + r), max_tokens)
+            s = ask(client, model, question(offset + c * n_requests + r), max_tokens, ignore_eos)
             with lock:
                 samples.append(s)
 
@@ -233,6 +235,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2, help="requests per client in the load phase")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default 128, so that decoding "
                    "dominates the phases' time)")
+    p.add_argument("--ignore-eos", action="store_true", help="every answer runs --max-tokens (the request's "
+                   "ignore_eos), so every stream decodes the same length in phases 1-3")
     p.add_argument("--single-requests", type=int, default=3)
     p.add_argument("--history", type=int, default=4096, help="tokens of history for the follow-up turn")
     p.add_argument("--follow-rounds", type=int, default=2)
@@ -249,12 +253,15 @@ def main() -> int:
         card = client.models.list().data[0].model_extra.get("localctx", {})
         ask(client, model, question(0), 4)  # warm-up: first-call costs out of the figures
         rss_start = server.memory_info().rss
-        single = [ask(client, model, question(1 + i), args.max_tokens) for i in range(args.single_requests)]
+        single = [ask(client, model, question(1 + i), args.max_tokens, args.ignore_eos)
+                  for i in range(args.single_requests)]
         one_tok_s = statistics.median(s.tokens / (s.ended - s.started) for s in single if s.error is None)
         decode_rates = [r for r in (s.decode_tok_s for s in single) if r is not None]
         one_decode_tok_s = statistics.median(decode_rates) if decode_rates else None
-        together = concurrent(client, model, args.streams, 1, args.max_tokens, offset=100) if args.streams else []
-        load = concurrent(client, model, args.clients, args.requests, args.max_tokens, offset=200) if args.clients else []
+        together = concurrent(client, model, args.streams, 1, args.max_tokens, 100, args.ignore_eos) \
+            if args.streams else []
+        load = concurrent(client, model, args.clients, args.requests, args.max_tokens, 200, args.ignore_eos) \
+            if args.clients else []
         rss_end_load = server.memory_info().rss
         follow = follow_up(client, model, args) if args.history else None
         rss_end = server.memory_info().rss
@@ -265,10 +272,11 @@ def main() -> int:
         "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
         "server": {"backend": args.backend, "model": model, "parallel": args.parallel, "plan": card.get("plan"),
                    "batching": card.get("batching"), "slots": card.get("slots")},
-        "machine": {"cpus": os.cpu_count(), "note": "shared machine: other work ran at the same time",
+        "machine": {"cpus": os.cpu_count(),
                     "load_average_start": [round(x, 2) for x in load_start],
                     "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
         "one_client": {**summary(single), "tok_s_median": round(one_tok_s, 2),
                        "decode_tok_s_median": round(one_decode_tok_s, 2) if one_decode_tok_s else None},
         "streams": {"n": args.streams, **summary(together), **versus(together, one_tok_s, one_decode_tok_s)}

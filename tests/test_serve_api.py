@@ -101,6 +101,24 @@ def test_the_extension_field_limits_the_context_and_names_the_policy(server):
     assert "4,096 tokens (the model's trained context is 4,096)" in bad.value.body["message"]
 
 
+def test_ignore_eos_runs_every_answer_to_max_tokens(server):
+    url, _ = server
+    c = client(url)
+    plain = c.chat.completions.create(model="fake", messages=QUESTION, max_tokens=60, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 60
+    full = c.chat.completions.create(model="fake", messages=QUESTION, max_tokens=60, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 60
+    assert full.choices[0].message.content.startswith(plain.choices[0].message.content)
+    streamed = list(c.chat.completions.create(model="fake", messages=QUESTION, max_tokens=60, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    assert streamed[-1].usage.completion_tokens == 60
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model="fake", messages=QUESTION, extra_body={"ignore_eos": "yes"})
+    assert bad.value.body["param"] == "ignore_eos"
+
+
 def test_a_prompt_over_the_context_is_400_with_the_numbers_never_truncated():
     with serve_in_thread(fake_session(context=64), "fake") as (url, _):
         with pytest.raises(openai.BadRequestError) as bad:

@@ -17,6 +17,7 @@ from localctx.backends.fake import FAKE_SPEC, FakeBackend
 from localctx.backends.modelref import ModelRef
 from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.kvcache import cost
+from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from serve_helpers import serve_in_thread
@@ -88,6 +89,28 @@ def test_a_smaller_context_is_honoured_and_a_policy_over_the_budget_is_400():
         assert ext["policy"] == "fp16" and ext["exact"] is True and ext["context"] == 24
         assert small.usage.total_tokens == 24 and small.choices[0].finish_reason == "length"
         assert lanes_of(c) == [("fp16", 24)]  # the int4 lane was idle: closed to make room
+
+
+def test_a_lane_that_fails_to_open_gives_back_the_idle_lanes_closed_for_it(monkeypatch):
+    with serve_in_thread(fake_session(), "fake") as (url, scheduler):
+        c = client(url)
+        first = ask(c).choices[0].message.content
+        lanes = scheduler.streams
+        real_open = lanes.maker.open
+
+        def open_but_not_int8(plan):
+            if str(plan.policy) == "int8":
+                raise UserError("no room for it in this test")
+            return real_open(plan)
+
+        monkeypatch.setattr(lanes.maker, "open", open_but_not_int8)
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask(c, kv="int8")  # int8 beside fp16 is over the budget: the idle fp16 lane was closed for it
+        assert bad.value.body["code"] == "kv_policy_unavailable" and "no room for it" in bad.value.body["message"]
+        assert lanes_of(c) == [("fp16", 4096)]  # ...and is open again
+        opened = lanes.opened
+        assert ask(c).choices[0].message.content == first
+        assert lanes.opened == opened  # served by that lane, not a new one
 
 
 def test_a_lane_that_fits_only_once_busy_lanes_finish_is_503_with_retry_after():

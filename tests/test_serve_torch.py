@@ -4,6 +4,7 @@ its slot's KV, admission keeps every stream's worst case within the pool, and co
 clients are decoded in one batch."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import openai
@@ -65,6 +66,23 @@ def test_streams_decoded_together_match_one_at_a_time(loaded, policy):
     for (stream, _), prompt in zip(started, PROMPTS):
         reference = [e.token for e in new_session(loaded, policy=policy).generate(prompt, params) if e.kind == "token"]
         assert out[id(stream)][0] == reference
+
+
+def test_ignore_eos_streams_run_to_max_tokens_together_as_alone(loaded):
+    """Every token counts as end-of-text here: plain answers stop before their first token; with
+    ignore_eos, streams decoded together run their full length, token for token as one alone."""
+    session = new_session(loaded)
+    session.tokenizer = dataclasses.replace(session.tokenizer, eos_ids=set(range(loaded.spec.vocab_size)))
+    plain = GenerationParams(max_tokens=7)
+    assert [e.kind for e in session.generate(PROMPTS[0], plain)] == ["done"]
+    params = GenerationParams(max_tokens=7, ignore_eos=True)
+    batcher = SlotBatcher(session, n_slots=4)
+    started = [batcher.start(p, params, None) for p in PROMPTS]
+    out = drain(batcher, started)
+    for (stream, _), prompt in zip(started, PROMPTS):
+        tokens, done = out[id(stream)]
+        assert len(tokens) == 7 and done.finish_reason == "length" and done.stats.generated_tokens == 7
+        assert tokens == alone(loaded, prompt, params)
 
 
 def test_a_follow_up_turn_keeps_its_slot_kv_and_matches_a_fresh_prefill(loaded):

@@ -76,3 +76,12 @@ def test_stop_matcher_holds_only_possible_prefixes():
     assert m.feed("/") == ("", False)
     assert m.feed("x") == ("</x", False)
     assert m.feed("</s> tail") == ("", True)
+
+
+def test_ignore_eos_goes_past_end_of_text_counting_it_but_showing_no_text():
+    events, text = run([0, 1, 99, 2, 3, 4], GenerationParams(max_tokens=5, ignore_eos=True))
+    assert text == "Hello world" and events[-1].finish_reason == "length"
+    assert events[-1].stats.generated_tokens == 5
+    assert [e.token for e in events if e.kind == "token"] == [0, 1, 99, 2, 3]
+    plain, _ = run([0, 1, 99, 2, 3, 4], GenerationParams(max_tokens=5))
+    assert plain[-1].finish_reason == "stop" and plain[-1].stats.generated_tokens == 2

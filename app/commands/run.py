@@ -25,6 +25,8 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past end-of-text up to --max-tokens (for timing a fixed length)")
     p.add_argument("--speculate", default="auto", choices=speculative.MODES,
                    help="prompt-lookup drafts verified several tokens per step: auto (default; plain decoding "
                         "where the KV policy cannot roll a draft back exactly), ngram, off")
@@ -58,7 +60,8 @@ def params_from(args: argparse.Namespace) -> GenerationParams:
     if args.top_k < 0:
         raise UserError(f"--top-k {args.top_k} must be 0 (off) or more")
     return GenerationParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), speculate=args.speculate)
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), speculate=args.speculate,
+                            ignore_eos=args.ignore_eos)
 
 
 def speculation_words(stats: GenerationStats) -> str:

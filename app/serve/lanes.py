@@ -130,12 +130,15 @@ class Lanes:
         if whole.kv_bytes <= self.budget - self.used_bytes():  # room for it without closing a lane: then a
             plan = whole  # lane at the served context serves later requests of any context
         need, want = plan.kv_bytes, plan.context
-        self._make_room(need, policy, want)
+        closed = self._make_room(need, policy, want)
         try:
             streams = self.maker.open(plan)
-        except UserError as exc:
-            raise LaneRefused(400, f"KV policy {policy} at {want:,} tokens cannot be opened: {exc}",
-                              "kv_policy_unavailable") from None
+        except Exception as exc:
+            self._reopen(closed)  # the idle lanes closed for it were closed for nothing: bring them back
+            if isinstance(exc, UserError):
+                raise LaneRefused(400, f"KV policy {policy} at {want:,} tokens cannot be opened: {exc}",
+                                  "kv_policy_unavailable") from None
+            raise
         lane = Lane(plan, streams, need)
         self.lanes.append(lane)
         self.opened += 1
@@ -158,7 +161,8 @@ class Lanes:
         plan = dataclasses.replace(plan, hardware=self.served.hardware)
         return dataclasses.replace(plan, kv_bytes=self.lane_bytes(plan))
 
-    def _make_room(self, need: int, policy: KVPolicy, context: int) -> None:
+    def _make_room(self, need: int, policy: KVPolicy, context: int) -> list[Lane]:
+        """Closes idle lanes, least recently used first, until ``need`` bytes are free; returns them."""
         idle = sorted((lane for lane in self.lanes if not lane.busy and not lane.pinned), key=lambda l: l.last_used)
         free = self.budget - self.used_bytes()
         if free + sum(lane.kv_bytes for lane in idle) < need:
@@ -173,10 +177,25 @@ class Lanes:
                               f"(held by {held}); {when}",
                               "kv_budget_busy" if later else "kv_budget_exceeded",
                               self.retry_after_s if later else None)
+        closed = []
         while free < need:
             lane = idle.pop(0)
             self.close_lane(lane)
+            closed.append(lane)
             free += lane.kv_bytes
+        return closed
+
+    def _reopen(self, closed: list[Lane]) -> None:
+        """Opens again lanes that were closed to make room for a lane that then failed to open (their
+        streams' KV is gone; the lanes serve as before). One that fails stays closed: a later request
+        for its policy opens it on demand, as for any closed lane."""
+        for old in closed:
+            try:
+                streams = self.maker.open(old.plan)
+            except Exception:  # noqa: BLE001 - best effort: the request's own error is what the client gets
+                continue
+            self.lanes.append(Lane(old.plan, streams, old.kv_bytes, last_used=old.last_used))
+            self.opened += 1
 
     def close_lane(self, lane: Lane) -> None:
         self._widest = max(self._widest, lane.streams.widest)

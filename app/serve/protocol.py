@@ -97,6 +97,13 @@ def _number(body: dict, name: str, kind, low: float | None, high: float | None, 
     return kind(value)
 
 
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise _bad(f"'{name}' must be true or false", name)
+    return value
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -122,7 +129,7 @@ def parse(body: dict, chat: bool, model_id: str, plan: Plan, trained_context: in
     params = GenerationParams(
         max_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2, 1.0),
         top_p=_number(body, "top_p", float, 0, 1, 1.0), top_k=_number(body, "top_k", int, 0, None, 0),
-        seed=_number(body, "seed", int, None, None, None), stop=_stops(body))
+        seed=_number(body, "seed", int, None, None, None), stop=_stops(body), ignore_eos=_flag(body, "ignore_eos"))
     if params.top_p == 0:
         params = GenerationParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
     options = body.get("stream_options") or {}

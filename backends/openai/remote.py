@@ -197,6 +197,8 @@ class RemoteSession(Session):
             body["top_k"] = params.top_k
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.ignore_eos:  # vLLM's, llama.cpp's and localctx's servers take it; sent only when asked for
+            body["ignore_eos"] = True
         if params.stop:
             body["stop"] = list(params.stop)
         if stream:
