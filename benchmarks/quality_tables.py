@@ -46,9 +46,11 @@ TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TO
 SPLITS = ("k8v4", "kf16v8", "kf16v4")
 SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle-depths", "0.1,0.5,0.9"]
 # cut to what a shared 2-core machine ran in an hour (docs/quality.md says what was cut): perplexity
-# over 8K tokens per 4K segment; passkey at depth 0.5, at 4K and 16K as separate figures
+# over 8K tokens per 4K segment; passkey at depth 0.5 at 4K, 16K and 30K, then depths 0.1 and 0.9 as
+# separate figures (so a stopped run keeps what it finished)
 GEMMA_PPL = ["-m", GEMMA3, "--tokens", "8192", "--segment", "4096", "--chunk", "256", "--no-needle"]
 GEMMA_NEEDLE = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", "0.5", "--needle-lengths"]
+GEMMA_EDGES = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", "0.1,0.9", "--needle-lengths"]
 GEMMA_POLICIES = {"fp16": [], "int8": ["--kv", "int8", "--no-baseline"],
                   "win4096": ["--kv", "fp16+sink4+win4096", "--no-baseline"]}
 
@@ -77,6 +79,10 @@ COMMANDS: dict[str, list[str]] = {
     **{f"gemma3-llamacpp-ppl-{p}": LLAMACPP + GEMMA_PPL + a for p, a in GEMMA_POLICIES.items()},
     **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
        for n in (4096, 16384, 30720) for p, a in GEMMA_POLICIES.items()},
+    # the passkey grid's other depths (0.1 and 0.9; 0.5 is the figure above) at each length
+    **{f"gemma3-{backend}-needle{n // 1024}k-edges-{p}": lead + GEMMA_EDGES + [str(n)] + a
+       for backend, lead in (("llamacpp", LLAMACPP), ("torch", [])) for n in (4096, 16384, 30720)
+       for p, a in GEMMA_POLICIES.items()},
     "gemma3-torch-ppl-fp16": GEMMA_PPL,
     # int8 and the window on torch: measured after the prefill fix (chunked prefill attends as decode does)
     "gemma3-torch-ppl-int8": GEMMA_PPL + ["--kv", "int8", "--no-baseline"],
