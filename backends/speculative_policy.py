@@ -22,14 +22,17 @@ E(k) = sum over j < k of the product of p(m), p(m + 1), ... p(m + j).
 of its length over the fastest of the recent plain (one-token) steps: on a shared machine other
 work only ever adds time, so the fastest recent timing is the step's own cost and a median would
 count the load (a verify step, longer, is more often caught by it). The extra cost per drafted
-token is (ratio - 1) / (T - 1). A step's cost is not linear in T: on llama.cpp (2 threads,
-idle) a 2-token step took 1.8-2.0 plain steps, a 5-token one 3.7, while the last bench's 9-token
-steps averaged about 2.4. So a length timed ``TRUSTED`` times is judged by its own timing; one
-timed fewer times by the cheaper of that and the per-token extra measured so far or
-``EXTRA_PRIOR`` per drafted token (a single slow timing, a busy moment, does not rule it out);
-one never timed is taken to be as cheap as the cheapest step timed so far, so each length is
-tried once where the expected acceptance would pay for it at that cost, and a cheap long step is
-found even after the short ones were dear.
+token is (ratio - 1) / (T - 1). It differs by engine (``benchmarks/verify_cost.py``, idle, 2
+threads, docs/benchmarks-verify-cost.json): on llama.cpp (Q4_1) a T-token step costs about
+1 + 0.5 (T - 1) plain steps (1.66 at T = 2, 3.33 at 5, 4.94 at 9); on torch (fp32) a 2-token
+step 1.77 and a 9-token one 2.0. So a length timed ``TRUSTED`` times is judged by its own timing;
+one timed fewer times by the cheaper of that and the per-token estimate, 1 + (the extra measured
+so far, at most ``EXTRA_PRIOR``) per drafted token (a single slow timing, a busy moment, does not
+rule it out); one never timed by that estimate, kept between the timings of the nearest shorter
+and longer lengths (a longer step never costs less). A long draft is thus tried where its
+expected acceptance pays for it at ``EXTRA_PRIOR`` per token (a copy: torch then finds its long
+steps cheap), not on free text, where trying each untimed length once at the cost of the
+cheapest cost llama.cpp more than its accepted drafts saved.
 
 ``EXTRA_PRIOR``: the first full bench run (docs/benchmarks-reuse.md, 2 threads, load about 2)
 implies an extra 0.19 of a plain step per drafted token on torch (fp32 weights; more rows per
@@ -119,8 +122,11 @@ class StepCost:
         ratios = self.ratios()
         estimate = 1.0 + min(self.extra(), EXTRA_PRIOR) * (n_tokens - 1)
         timed = ratios.get(n_tokens)
-        if timed is None:  # never timed: as cheap as the cheapest step timed so far, so it is tried once
-            return min([estimate, *ratios.values()])
+        if timed is None:  # never timed: the estimate, between the nearest timed lengths around it
+            shorter = [r for t, r in ratios.items() if t < n_tokens]
+            longer = [r for t, r in ratios.items() if t > n_tokens]
+            estimate = max([estimate, *shorter])
+            return min([estimate, *longer])
         return timed if len(self.step_s[n_tokens]) >= TRUSTED else min(timed, estimate)
 
 

@@ -107,6 +107,8 @@ def spec_case(backend: str, kv: str, task: str, prompt: str, mode: str, args) ->
     last = runs[mode][-1]
     return {"backend": backend, "kv": kv, "task": task, "mode": mode, "generated_tokens": last.generated_tokens,
             "off_decode_tok_s": round(off, 1), "on_decode_tok_s": round(on, 1), "ratio": round(on / off, 2),
+            "off_runs_tok_s": [round(st.decode_tok_s, 1) for st in runs["off"]],
+            "on_runs_tok_s": [round(st.decode_tok_s, 1) for st in runs[mode]],
             "tokens_per_step": round(last.tokens_per_step, 2), "accepted": last.accepted_tokens,
             "drafted": last.drafted_tokens, "identical": texts["off"] == texts[mode],
             "load_avg_after_each": LOADS[-2 * args.repeats:]}
