@@ -4,6 +4,7 @@ optional per-token delay), served on 127.0.0.1 in a thread: whole and streamed a
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -188,6 +189,24 @@ def test_a_public_address_without_a_key_is_refused_before_loading(capsys):
     assert cli.main(["serve", "--backend", "fake", "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--api-key" in err and "0.0.0.0" in err
+
+
+def test_torch_on_the_cpu_serves_with_one_core_left_for_http_unless_told(monkeypatch):
+    from localctx.app.commands.serve import torch_serving_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setenv("LOCALCTX_TORCH_DEVICE", "cpu")
+    monkeypatch.delenv("LOCALCTX_TORCH_THREADS", raising=False)
+    assert torch_serving_threads() == 3
+    assert os.environ["LOCALCTX_TORCH_THREADS"] == "3"  # what the torch backend reads as it loads
+    monkeypatch.setenv("LOCALCTX_TORCH_THREADS", "4")
+    assert torch_serving_threads() is None and os.environ["LOCALCTX_TORCH_THREADS"] == "4"  # the user's choice
+    monkeypatch.delenv("LOCALCTX_TORCH_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert torch_serving_threads() is None and "LOCALCTX_TORCH_THREADS" not in os.environ  # nothing to spare
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setenv("LOCALCTX_TORCH_DEVICE", "cuda")
+    assert torch_serving_threads() is None and "LOCALCTX_TORCH_THREADS" not in os.environ  # a GPU decodes
 
 
 def test_sixteen_concurrent_clients_all_get_their_own_answer():

@@ -95,7 +95,9 @@ def handle(args: argparse.Namespace) -> int:
     req = dataclasses.replace(SessionRequest.from_args(args, cache_reuse=args.cache_reuse), timeout=None)
     ref, _spec = resolve_model(req)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
-    session, streams = open_streams(plan_session(req), args.parallel)
+    planned = plan_session(req)
+    threads = torch_serving_threads() if planned.plan.backend == "torch" else None
+    session, streams = open_streams(planned, args.parallel)
     scheduler = Scheduler(session, streams, Limits(max_queue=args.queue))
     state = ServeState(scheduler=scheduler, model_id=ref.name, spec=session.spec, plan=session.plan,
                        api_key=api_key, max_body_bytes=args.max_body,
@@ -103,11 +105,33 @@ def handle(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     plan = session.plan
+    threads_note = f", torch on {threads} of {os.cpu_count()} CPU threads (one core left for HTTP)" if threads else ""
     print(f"localctx serve: http://{shown}:{port}/v1  model {ref.name}, backend {plan.backend}, KV {plan.policy} "
           f"({'exact' if plan.exact else 'lossy'}), context {plan.context:,}, KV up to {format_bytes(plan.kv_bytes)}, "
           f"{streams.capacity} slot{'s' if streams.capacity > 1 else ''}"
-          f"{' batched' if streams.batching else ''}", flush=True)
+          f"{' batched' if streams.batching else ''}{threads_note}", flush=True)
     return run_server(build_app(state), sock, concurrency=2 * (args.queue + streams.capacity) + 8, session=session)
+
+
+def torch_serving_threads() -> int | None:
+    """torch on the CPU, serving: one thread fewer than the machine's CPUs, unless
+    LOCALCTX_TORCH_THREADS says otherwise (returns None then, and on a GPU). The HTTP loop and the
+    clients on the same machine need a core; torch's threads, given every core, wait on each other
+    whenever one is taken (docs/benchmarks-serve.md: 8 streams 2.3x one stream with 2 threads on 2
+    cores, 3.6x with 1)."""
+    if os.environ.get("LOCALCTX_TORCH_THREADS"):
+        return None
+    device = os.environ.get("LOCALCTX_TORCH_DEVICE")
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpus = os.cpu_count() or 1
+    if device != "cpu" or cpus < 2:
+        return None
+    threads = cpus - 1
+    os.environ["LOCALCTX_TORCH_THREADS"] = str(threads)  # read where the torch backend loads (TorchOptions.from_env)
+    return threads
 
 
 def run_server(app, sock: socket.socket, concurrency: int, session) -> int:

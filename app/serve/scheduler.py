@@ -179,11 +179,11 @@ class Scheduler:
         if first is None:  # the source prefills it in its next step, which sends the first event
             self._live[id(stream)] = job
             return "started"
-        job.emit(first)
         if first.kind == "done":
-            self.served += 1
+            self.served += 1  # counted before the client can see its answer end
         else:
             self._live[id(stream)] = job
+        job.emit(first)
         return "started"
 
     def _fit(self, job: ServeJob, lane_plan: Plan) -> GenerationParams:
@@ -223,7 +223,7 @@ class Scheduler:
             job = self._live.get(id(stream))
             if job is None:
                 continue
-            job.emit(event)
             if event.kind == "done":
                 del self._live[id(stream)]
-                self.served += 1
+                self.served += 1  # counted before the client can see its answer end
+            job.emit(event)
