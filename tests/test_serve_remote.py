@@ -43,6 +43,10 @@ def test_against_localctx_serve_the_plan_and_kv_policy_pass_through(localctx_ser
     done = events[-1]
     assert done.kind == "done" and done.finish_reason == "length" and done.stats.generated_tokens == 5
     assert done.stats.kv_bytes > 0 and done.stats.policy == "int8+sink4+win512"
+    plain = list(session.generate(QUESTION, GenerationParams(max_tokens=60)))[-1]
+    assert plain.finish_reason == "stop" and plain.stats.generated_tokens < 60  # the fake ends with EOS
+    full = list(session.generate(QUESTION, GenerationParams(max_tokens=60, ignore_eos=True)))[-1]
+    assert full.finish_reason == "length" and full.stats.generated_tokens == 60  # ignore_eos went through
     lane = open_remote(RemoteRequest(endpoints=(localctx_server,), kv="int4+sink4+win256"))  # a lane on the server
     assert str(lane.plan.policy) == "int4+sink4+win256" and "lane" in lane.plan.reasons[0]
     done = list(lane.generate(QUESTION, GenerationParams(max_tokens=3)))[-1]
