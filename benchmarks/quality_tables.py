@@ -50,6 +50,10 @@ SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle
 # separate figures (so a stopped run keeps what it finished)
 GEMMA_PPL = ["-m", GEMMA3, "--tokens", "8192", "--segment", "4096", "--chunk", "256", "--no-needle"]
 GEMMA_NEEDLE = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", "0.5", "--needle-lengths"]
+def gemma_ppl(n_tokens: int) -> list[str]:
+    return ["-m", GEMMA3, "--tokens", str(n_tokens), "--segment", "4096", "--chunk", "256", "--no-needle"]
+
+
 GEMMA_EDGES = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", "0.1,0.9", "--needle-lengths"]
 GEMMA_POLICIES = {"fp16": [], "int8": ["--kv", "int8", "--no-baseline"],
                   "win4096": ["--kv", "fp16+sink4+win4096", "--no-baseline"]}
@@ -77,6 +81,10 @@ COMMANDS: dict[str, list[str]] = {
     "smollm2-llamacpp-needle1k-int4": LLAMACPP + ["--no-perplexity", "--needle-lengths", "1024", "--kv", "int4"],
     # Gemma 3 270M (32K trained context; 5 sliding-window layers of 512 : 1 global) on llama.cpp and torch
     **{f"gemma3-llamacpp-ppl-{p}": LLAMACPP + GEMMA_PPL + a for p, a in GEMMA_POLICIES.items()},
+    # perplexity over 16K and 30K tokens (the 4K segments show how it moves with position)
+    **{f"gemma3-{backend}-ppl{n // 1024}k-{p}": lead + gemma_ppl(n) + a
+       for backend, lead in (("llamacpp", LLAMACPP), ("torch", [])) for n in (16384, 30720)
+       for p, a in GEMMA_POLICIES.items()},
     **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
        for n in (4096, 16384, 30720) for p, a in GEMMA_POLICIES.items()},
     # the passkey grid's other depths (0.1 and 0.9; 0.5 is the figure above) at each length
