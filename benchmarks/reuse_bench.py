@@ -63,21 +63,21 @@ def ask(session, prompt, max_tokens: int, speculate: str = "off") -> tuple[str, 
     return "".join(pieces), last.stats
 
 
-def request(backend: str, kv: str, context: int, cached: bool) -> SessionRequest:
-    return SessionRequest(model=None, backend=backend, kv=kv, context=context, prompt_cache=cached)
+def request(backend: str, kv: str, args, cached: bool) -> SessionRequest:
+    return SessionRequest(model=args.model, backend=backend, kv=kv, context=args.context, prompt_cache=cached)
 
 
 def ttft_case(backend: str, kv: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[CACHE_ENV] = tmp
-        with open_session(request(backend, kv, args.context, True)) as s:  # question 1 writes the file
+        with open_session(request(backend, kv, args, True)) as s:  # question 1 writes the file
             doc = document(s, args.doc_tokens)
             q = [[{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}] for question in QUESTIONS]
             _, first = ask(s, q[0], args.answer_tokens)
         [entry] = prompt_cache.entries()
-        with open_session(request(backend, kv, args.context, False)) as s:  # cold, right before the cached run
+        with open_session(request(backend, kv, args, False)) as s:  # cold, right before the cached run
             cold_text, cold = ask(s, q[1], args.answer_tokens)
-        with open_session(request(backend, kv, args.context, True)) as s:
+        with open_session(request(backend, kv, args, True)) as s:
             hit_text, hit = ask(s, q[1], args.answer_tokens)
             n_file = int(entry.meta["n_tokens"])
             kv_bytes = int(entry.meta["kv_bytes"])
@@ -95,7 +95,7 @@ def ttft_case(backend: str, kv: str, args) -> dict:
 def spec_case(backend: str, kv: str, task: str, prompt: str, mode: str, args) -> dict:
     runs = {"off": [], mode: []}
     texts = {}
-    with open_session(request(backend, kv, args.context, False)) as s:
+    with open_session(request(backend, kv, args, False)) as s:
         for i in range(args.repeats):
             for m in (("off", mode) if i % 2 == 0 else (mode, "off")):
                 s.reset()
@@ -116,6 +116,7 @@ def spec_case(backend: str, kv: str, task: str, prompt: str, mode: str, args) ->
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("-m", "--model", default=None, help="a GGUF (default: the bundled SmolLM2)")
     p.add_argument("--backends", default="llamacpp,torch")
     p.add_argument("--ttft-kv", default="fp16,int4", help="KV policies of the document runs")
     p.add_argument("--spec-kv", default="fp16")

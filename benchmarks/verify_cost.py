@@ -44,8 +44,8 @@ def verifier_for(session):
     return TorchVerifier(session.engine, CONVERSATION, session.history, session.plan.context)
 
 
-def measure(backend: str, rounds: int) -> dict:
-    with open_session(SessionRequest(model=None, backend=backend, prompt_cache=False)) as session:
+def measure(backend: str, rounds: int, model: str | None = None) -> dict:
+    with open_session(SessionRequest(model=model, backend=backend, prompt_cache=False)) as session:
         done = list(session.generate(PROMPT, GenerationParams(max_tokens=8)))[-1]
         verifier = verifier_for(session)
         tokens = list(range(1000, 1000 + MAX_DRAFT + 1))  # any ids: the cost does not depend on them
@@ -66,7 +66,7 @@ def measure(backend: str, rounds: int) -> dict:
         plain = min(times[1])
         cost = {t: min(v) / plain for t, v in times.items()}
         best = max(lengths, key=lambda t: t / cost[t])
-        return {"backend": backend, "policy": session.plan.policy.__str__(),
+        return {"backend": backend, "model": session.spec.name, "policy": str(session.plan.policy),
                 "context_tokens": done.stats.prompt_tokens + done.stats.generated_tokens,
                 "plain_step_ms_min": round(plain * 1000, 3),
                 "plain_step_ms_median": round(statistics.median(times[1]) * 1000, 3),
@@ -77,12 +77,13 @@ def measure(backend: str, rounds: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None, help="a GGUF (default: the bundled SmolLM2)")
     ap.add_argument("--backends", default="llamacpp,torch")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args()
     load = os.getloadavg()
-    rows = [measure(b, args.rounds) for b in args.backends.split(",")]
+    rows = [measure(b, args.rounds, args.model) for b in args.backends.split(",")]
     result = {"command": "python benchmarks/verify_cost.py " + " ".join(sys.argv[1:]),
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
               "load_average_start": [round(x, 2) for x in load],
