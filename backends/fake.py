@@ -59,22 +59,16 @@ class FakeSession(Session):
         kept = self.plan.policy.kept_tokens(n)
         return cost.kv_bytes(self.spec, self.plan.policy, n), kept, n - kept
 
-    def _reply(self, prompt: Prompt, params: GenerationParams) -> list[str]:
+    def _reply(self, prompt: Prompt, params: GenerationParams) -> tuple[list[str], int]:
+        """(the reply's words, enough for max_tokens; where EOS comes, unless max_tokens comes first
+        or ignore_eos goes past it)."""
         last_user = prompt if isinstance(prompt, str) else next(
             (m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
         head = [w + " " for w in last_user.split()[:8]]
         seed = params.seed if params.temperature > 0 and params.seed is not None else len(last_user)
         rng = random.Random(seed)
         tail = [rng.choice(_WORDS) + " " for _ in range(max(0, params.max_tokens - len(head) - 1))]
-        words = ["Reply: "] + head + tail
-        return words
-
-    @staticmethod
-    def _answer_length(prompt: Prompt) -> int:
-        """Where the reply ends with EOS (unless max_tokens comes first, or ignore_eos goes past it)."""
-        last_user = prompt if isinstance(prompt, str) else next(
-            (m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
-        return 12 + len(last_user) % 20
+        return ["Reply: "] + head + tail, 12 + len(last_user) % 20
 
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
@@ -88,8 +82,7 @@ class FakeSession(Session):
         self.history = list(tokens)
         clock = StatsClock(backend="fake", policy=str(self.plan.policy), prompt_tokens=len(tokens),
                            cached_tokens=common)
-        reply = self._reply(prompt, params)
-        n_answer = self._answer_length(prompt)
+        reply, n_answer = self._reply(prompt, params)
         self.vocab = reply
 
         def ids() -> Iterator[int]:
