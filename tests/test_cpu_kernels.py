@@ -89,6 +89,21 @@ def test_kernel_matches_the_reference_in_float32(kernel, shape, want_mass):
             q.shape[0] * q.shape[1], rel=1e-5)  # every query's probabilities sum to one
 
 
+def test_the_same_call_gives_the_same_bits_whatever_order_the_threads_finish_in(kernel):
+    """Each thread sums its share of the values; those partial sums are added in thread order. Four
+    threads on a busy 2-core machine finish in a different order from call to call, which an
+    add-as-you-finish reduction turned into different last bits (a step rolled back and redone
+    then differed from one never undone: tests/test_step_rollback.py)."""
+    q, q_pos, full, groups, rope = make_inputs(9, 3, 64, 48, 32, 8, 200, 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        outs = [cpu.attend(q, q_pos, full, groups, rope).out for _ in range(60)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kernel_on_a_bf16_cache_matches_the_float32_reference(kernel, bits):
     # the kernel reads bf16 keys and values and computes in float32; the result is rounded to bf16 once

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -485,12 +486,20 @@ static void lc_rotate_queries(lc_args *a) {
     }
 }
 
+/* The threads' partial sums are added in thread order, each thread summing a slice of the output
+ * (not in whichever order threads finish): the same call gives the same bits however busy the
+ * machine is. */
 LC_INLINE void lc_attend_d(lc_args *a, const int64_t D) {
     int64_t n_out = a->T * a->Hq * D;
     lc_rotate_queries(a);
-    memset(a->out, 0, n_out * sizeof(float));
+    float **accs = calloc(a->threads > 0 ? a->threads : 1, sizeof(float *));
+    if (!accs) {
+        a->failed = 1;
+        return;
+    }
 #pragma omp parallel num_threads(a->threads)
     {
+        int me = omp_get_thread_num(), team = omp_get_num_threads();
         lc_scores_d(a, D);
         lc_softmax(a);
         float *acc = calloc(n_out, sizeof(float));
@@ -499,12 +508,18 @@ LC_INLINE void lc_attend_d(lc_args *a, const int64_t D) {
             a->failed = 1;
         }
         lc_values_d(a, D, acc);
-        if (acc) {
-#pragma omp critical
-            for (int64_t i = 0; i < n_out; i++) a->out[i] += acc[i];
-            free(acc);
+        accs[me] = acc;
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_out; i++) {
+            float sum = 0.0f;
+            for (int t = 0; t < team; t++)
+                if (accs[t]) sum += accs[t][i];
+            a->out[i] = sum;
         }
+        free(acc);
     }
+    free(accs);
 }
 
 /* the entry point; the common head dims get their own compiled copy (constant loop bounds) */
