@@ -117,8 +117,8 @@ def torch_serving_threads() -> int | None:
     """torch on the CPU, serving: one thread fewer than the machine's CPUs, unless
     LOCALCTX_TORCH_THREADS says otherwise (returns None then, and on a GPU). The HTTP loop and the
     clients on the same machine need a core; torch's threads, given every core, wait on each other
-    whenever one is taken (docs/benchmarks-serve.md: 8 streams 2.3x one stream with 2 threads on 2
-    cores, 3.6x with 1)."""
+    whenever one is taken (docs/benchmarks-serve.md: on 2 cores, 8 streams decoded 2.34x one stream
+    with 2 threads, 3.34x with 1)."""
     if os.environ.get("LOCALCTX_TORCH_THREADS"):
         return None
     device = os.environ.get("LOCALCTX_TORCH_DEVICE")
