@@ -31,8 +31,9 @@ so far, at most ``EXTRA_PRIOR``) per drafted token (a single slow timing, a busy
 rule it out); one never timed by that estimate, kept between the timings of the nearest shorter
 and longer lengths (a longer step never costs less). A long draft is thus tried where its
 expected acceptance pays for it at ``EXTRA_PRIOR`` per token (a copy: torch then finds its long
-steps cheap), not on free text, where trying each untimed length once at the cost of the
-cheapest cost llama.cpp more than its accepted drafts saved.
+steps cheap), and not on free text. (Counting an untimed length as cheap as the cheapest timed
+one had free text try each long draft once, which cost llama.cpp more than its accepted drafts
+saved: docs/benchmarks-reuse.md.)
 
 ``EXTRA_PRIOR``: the first full bench run (docs/benchmarks-reuse.md, 2 threads, load about 2)
 implies an extra 0.19 of a plain step per drafted token on torch (fp32 weights; more rows per
