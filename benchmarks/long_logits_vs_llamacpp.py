@@ -11,15 +11,13 @@ docs/quality.md):
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_json import emit  # noqa: E402
 from quality_tables import gemma3_gguf  # noqa: E402
 
 from localctx.app.session_options import SessionRequest, resolve_model  # noqa: E402
@@ -105,13 +103,7 @@ def main() -> int:
               "model": Path(model).name, "prompt": f"passkey prompt, {len(ids)} tokens, key at depth 0.5",
               "policy": "fp16", "chunk": CHUNK, "checkpoints": rows,
               "last_position_top5": {"torch": top5(ours[last], piece), "llamacpp": top5(theirs[last], piece)}}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.json)), prefix=".long-logits.")
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.json)
+    emit(result, args.json)
     return 0
 
 

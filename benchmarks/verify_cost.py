@@ -16,13 +16,12 @@ gets less.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
+from bench_json import emit
 from localctx.app.session_options import SessionRequest, open_session
 from localctx.backends.base import GenerationParams
 from localctx.backends.speculative import MAX_DRAFT
@@ -88,13 +87,7 @@ def main() -> int:
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
               "load_average_start": [round(x, 2) for x in load],
               "load_average_end": [round(x, 2) for x in os.getloadavg()], "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.json:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.json)), prefix=".verify-cost.")
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, args.json)
+    emit(result, args.json)
     return 0
 
 
