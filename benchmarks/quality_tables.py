@@ -48,13 +48,18 @@ SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle
 # cut to what a shared 2-core machine ran in an hour (docs/quality.md says what was cut): perplexity
 # over 8K tokens per 4K segment; passkey at depth 0.5 at 4K, 16K and 30K, then depths 0.1 and 0.9 as
 # separate figures (so a stopped run keeps what it finished)
-GEMMA_PPL = ["-m", GEMMA3, "--tokens", "8192", "--segment", "4096", "--chunk", "256", "--no-needle"]
-GEMMA_NEEDLE = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", "0.5", "--needle-lengths"]
 def gemma_ppl(n_tokens: int) -> list[str]:
     return ["-m", GEMMA3, "--tokens", str(n_tokens), "--segment", "4096", "--chunk", "256", "--no-needle"]
 
 
-GEMMA_EDGES = ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", "0.1,0.9", "--needle-lengths"]
+def gemma_needle(depths: str) -> list[str]:
+    """Passkey at ``depths``; the length follows (the figures below append it)."""
+    return ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", depths, "--needle-lengths"]
+
+
+GEMMA_PPL = gemma_ppl(8192)
+GEMMA_NEEDLE = gemma_needle("0.5")
+GEMMA_EDGES = gemma_needle("0.1,0.9")
 GEMMA_POLICIES = {"fp16": [], "int8": ["--kv", "int8", "--no-baseline"],
                   "win4096": ["--kv", "fp16+sink4+win4096", "--no-baseline"]}
 
