@@ -4,14 +4,16 @@ prefilled in 256-token chunks with the same KV policy (``--kv``, fp16 by default
 correlation, the same top-5 set and the same argmax at each checkpoint, the top-5 (token, logit)
 of both at the last position (the answer's first token), and the top two of both at each token
 of torch's greedy answer, fed to both. It tells a model that is unsure at that length from a
-backend that goes wrong past some position. Deterministic; no timing. Gemma 3 270M by default (the figures of
-docs/quality.md):
+backend that goes wrong past some position. Deterministic; no timing. Gemma 3 270M by default
+(the figures of docs/quality.md):
 
     python benchmarks/long_logits_vs_llamacpp.py --length 16384 --json docs/quality-gemma3-long-logits-16k.json
     python benchmarks/long_logits_vs_llamacpp.py --length 16384 --depth 0.9 --kv fp16+sink4+win4096 \
         --json docs/quality-gemma3-long-logits-16k-win4096-d09.json
     python benchmarks/long_logits_vs_llamacpp.py --length 16384 --depth 0.9 --grid-depths 0.1,0.9 \
         --kv fp16+sink4+win4096 --json docs/quality-gemma3-long-logits-16k-win4096-edges-d09.json
+    python benchmarks/long_logits_vs_llamacpp.py --length 30720 --depth 0.9 --grid-depths 0.1,0.9 \
+        --every 4096 --json docs/quality-gemma3-long-logits-30k-edges-d09.json
 
 With a window the two caches differ by design: llama.cpp's context shift evicts 256 tokens at a
 time (it holds the sinks and the last 3,840–4,096 tokens), torch one token at a time.
