@@ -45,9 +45,8 @@ LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
 TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
 SPLITS = ("k8v4", "kf16v8", "kf16v4")
 SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle-depths", "0.1,0.5,0.9"]
-# cut to what a shared 2-core machine ran in an hour (docs/quality.md says what was cut): perplexity
-# over 8K tokens per 4K segment; passkey at depth 0.5 at 4K, 16K and 30K, then depths 0.1 and 0.9 as
-# separate figures (so a stopped run keeps what it finished)
+# Gemma 3: perplexity over 8K, 16K and 30K tokens per 4K segment; passkey at depth 0.5 at 4K, 16K
+# and 30K, and depths 0.1 and 0.9 as separate figures (so a stopped run keeps what it finished)
 def gemma_ppl(n_tokens: int) -> list[str]:
     return ["-m", GEMMA3, "--tokens", str(n_tokens), "--segment", "4096", "--chunk", "256", "--no-needle"]
 
