@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 from localctx.backends import registry
 from localctx.backends.base import Session
-from localctx.backends.model_spec import read_spec
-from localctx.backends.modelref import ModelRef, resolve
-from localctx.backends.fake import FAKE_SPEC
-from localctx.backends.planning import PlanningContext, make_auto_plan, plan_fixed, planning_context
+from localctx.backends.models.spec_reader import read_spec
+from localctx.backends.models.ref import ModelRef, resolve
+from localctx.backends.fake.session import FAKE_SPEC
+from localctx.backends.machine.planner_inputs import PlanningContext, make_auto_plan, plan_fixed, planning_context
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.planner import PlanRequest, parse_size
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 
 def add_session_options(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +71,7 @@ class SessionRequest:
 
 
 def remote_request(req: SessionRequest):
-    from localctx.backends.openai.remote import RemoteRequest
+    from localctx.backends.openai.session import RemoteRequest
 
     if req.exact or req.min_tok_s or req.max_memory:
         raise UserError("--exact, --min-tok-s and --max-memory plan a local model; with --backend openai the "
@@ -84,7 +84,7 @@ def remote_request(req: SessionRequest):
 
 def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
     if req.backend == "openai":
-        from localctx.backends.openai.remote import open_remote, remote_ref_path
+        from localctx.backends.openai.session import open_remote, remote_ref_path
 
         session = open_remote(remote_request(req))
         return ModelRef("remote", remote_ref_path(session.model), session.model, "endpoint"), session.spec
@@ -101,9 +101,9 @@ def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
 def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None = None) -> Plan:
     """The planner's choice for this model on this machine (or ``req.hardware``), unless ``--kv``
     names a policy; either way a plan that cannot fit is refused here, before loading. With
-    --backend openai the plan is the server's (backends/openai/remote.py)."""
+    --backend openai the plan is the server's (backends/openai/session.py)."""
     if req.backend == "openai":
-        from localctx.backends.openai.remote import open_remote
+        from localctx.backends.openai.session import open_remote
 
         return open_remote(remote_request(req)).plan
     if req.context is not None and req.context < 16:
@@ -156,7 +156,7 @@ class PlannedSession:
         if self.prompt_cache and self.ref.kind != "fake":
             session.enable_prompt_cache(self.ref.path)  # a backend without one just says why; nothing to tell here
         if self.cache_reuse:
-            reason = session.enable_chunk_reuse(self.cache_reuse)
+            reason = session.enable_cache_reuse(self.cache_reuse)
             if reason:
                 session.close()
                 raise UserError(f"--cache-reuse does not apply: {reason}; drop --cache-reuse")
@@ -174,7 +174,7 @@ def plan_session(req: SessionRequest) -> PlannedSession:
     """Resolves and plans; a bad model, policy or backend is refused here, before anything loads.
     With --backend openai the servers are asked here, and load() hands back that remote session."""
     if req.backend == "openai":
-        from localctx.backends.openai.remote import open_remote, remote_ref_path
+        from localctx.backends.openai.session import open_remote, remote_ref_path
 
         remote = open_remote(remote_request(req))
         ref = ModelRef("remote", remote_ref_path(remote.model), remote.model, "endpoint")
@@ -190,7 +190,7 @@ def plan_session(req: SessionRequest) -> PlannedSession:
 
 def open_session(req: SessionRequest) -> Session:
     if req.backend == "openai":
-        from localctx.backends.openai.remote import open_remote
+        from localctx.backends.openai.session import open_remote
 
         return open_remote(remote_request(req))
     return plan_session(req).load()

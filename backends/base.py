@@ -16,7 +16,7 @@ from localctx.kvcache.errors import UserError
 from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 Prompt = Union[str, Sequence[Message]]
@@ -30,7 +30,7 @@ class GenerationParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    speculate: str = "off"  # prompt-lookup drafts (backends/speculative.py): "auto", "ngram" or "off"
+    speculate: str = "off"  # prompt-lookup drafts (backends/generation/speculation.py): "auto", "ngram" or "off"
     ignore_eos: bool = False  # an end-of-text token does not end the answer (benchmarks: every answer runs max_tokens)
 
 
@@ -162,8 +162,8 @@ class Session(ABC):
         """Keep long prompts' KV on disk (kvcache/prompt_cache.py); returns why not, or None."""
         return f"the {self.backend_name} backend keeps no prompt cache on disk"
 
-    def enable_chunk_reuse(self, min_chunk: int) -> str | None:
-        """Keep cached runs of at least ``min_chunk`` tokens that reappear later in the next prompt,
+    def enable_cache_reuse(self, min_run: int) -> str | None:
+        """Keep cached runs of at least ``min_run`` tokens that reappear later in the next prompt,
         moved to their new positions (lossy; llama.cpp only); returns why not, or None."""
         return f"the {self.backend_name} backend has no shift-based chunk reuse (llama.cpp only)"
 

@@ -17,10 +17,10 @@ from localctx.backends.base import Backend
 from localctx.kvcache.errors import RuntimeFailure, UserError
 
 _BACKENDS = {
-    "llamacpp": "localctx.backends.llamacpp:LlamaCppBackend",
+    "llamacpp": "localctx.backends.llamacpp.backend:LlamaCppBackend",
     "torch": "localctx.backends.torch.backend:TorchBackend",
     "mlx": "localctx.backends.mlx.backend:MLXBackend",
-    "openai": "localctx.backends.openai.remote:RemoteBackend",
+    "openai": "localctx.backends.openai.backend:RemoteBackend",
 }
 USER_FACING = tuple(_BACKENDS)
 PLUGINS_ENV = "LOCALCTX_BACKEND_PLUGINS"
@@ -76,7 +76,7 @@ def get(name: str) -> Backend:
 
 def auto_name() -> str:
     """Apple Silicon → mlx; an NVIDIA GPU → torch; otherwise llama.cpp (docs/architecture.md "Backends"),
-    unless its build cannot run here: then torch, with a notice (backends/llamacpp_guard.py)."""
+    unless its build cannot run here: then torch, with a notice (backends/llamacpp/guard.py)."""
     if sys.platform == "darwin" and platform.machine() == "arm64" and importlib.util.find_spec("mlx"):
         return "mlx"
     if Path("/proc/driver/nvidia/version").exists() and importlib.util.find_spec("torch"):
@@ -88,9 +88,9 @@ _notified: set[str] = set()
 
 
 def _llamacpp_or_fallback() -> str:
-    from localctx.backends import llamacpp_guard
+    from localctx.backends.llamacpp import guard
 
-    problem = llamacpp_guard.check()
+    problem = guard.check()
     if problem is None:
         return "llamacpp"
     if importlib.util.find_spec("torch") is None:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from localctx.kvcache import quant
-from localctx.kvcache.attention import paged_attention as paged_reference
+from localctx.kvcache.paged_attention import paged_attention as paged_reference
 from localctx.kvcache.quant_attention import attend_reference
 
 ENV = "LOCALCTX_TRITON"

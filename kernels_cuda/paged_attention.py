@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from localctx.kernels_cuda.launch import FullSegment, KeyMask, LaunchConfig, Queries, run_attention
-from localctx.kvcache.attention import paged_attention as reference
+from localctx.kvcache.paged_attention import paged_attention as reference
 
 __all__ = ["paged_attention", "reference"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from localctx.kvcache.hardware import cache_dir
+from localctx.kvcache.hardware_profile import cache_dir
 
 # a format's cost in the backend's default cache; "fp16-windowed": fp16 in the cache a windowed
 # policy uses, where a backend's differs (torch keeps windowed keys before RoPE and rotates them per step)

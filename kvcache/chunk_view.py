@@ -23,7 +23,7 @@ attention mass up to that eviction, so the cache splits such a chunk into sub-st
 (``substep_length``).
 
 The arithmetic is framework-neutral (no torch import): the torch policy cache gives it tensors,
-the MLX cache (backends/mlx/cache.py) numpy arrays."""
+the MLX cache (backends/mlx/policy_cache.py) numpy arrays."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,7 @@
 """The cost model: the KV-byte and roofline arithmetic that the planner and every UI share.
 
 A cache's reported bytes must equal ``kv_bytes`` for the same policy and token count. Bytes are
-counted layer by layer (kvcache/spec.py ``LayerAttention``): full layers hold every kept token,
+counted layer by layer (kvcache/model_spec.py ``LayerAttention``): full layers hold every kept token,
 sliding layers at most their window, layers without attention nothing; K and V have their own
 head dims. A mixture of experts reads its dense weights plus the active experts per decoded token
 (``ModelSpec.decode_weight_bytes``)."""
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from localctx.kvcache.eviction import held_counts
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import SLIDING, LayerAttention, ModelSpec
+from localctx.kvcache.model_spec import SLIDING, LayerAttention, ModelSpec
 
 SCALE_BYTES = 2  # each quantization group stores a scale and a min, fp16 each
 

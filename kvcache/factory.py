@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from localctx.kvcache.attention import paged_attention
+from localctx.kvcache.paged_attention import paged_attention
 from localctx.kvcache.quant_attention import attend_reference
 from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE, CacheShape, PagedKVCache
 from localctx.kvcache.policy import KVPolicy

@@ -14,7 +14,7 @@ from functools import lru_cache
 from importlib import resources
 
 from localctx.kvcache.layouts import build_layers, pattern_for
-from localctx.kvcache.spec import MoE, ModelSpec
+from localctx.kvcache.model_spec import MoE, ModelSpec
 
 
 @lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localctx.kvcache.spec import FULL, NONE, SLIDING, LayerAttention
+from localctx.kvcache.model_spec import FULL, NONE, SLIDING, LayerAttention
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from localctx.kvcache.attention import Rotary, paged_attention, run_attention
+from localctx.kvcache.paged_attention import Rotary, paged_attention, run_attention
 from localctx.kvcache.block_pool import BlockPool, PoolExhausted
 
 DEFAULT_BLOCK_SIZE = 16

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from localctx.kvcache import cost
 from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

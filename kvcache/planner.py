@@ -19,11 +19,11 @@ from localctx.kvcache import cost
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.eviction import policy_cache_layout
-from localctx.kvcache.hardware import HardwareProfile, MiB
+from localctx.kvcache.hardware_profile import HardwareProfile, MiB
 from localctx.kvcache.plan import Plan, Rejected
 from localctx.kvcache.policy import KVPolicy, uniform
 from localctx.kvcache.quality import NO_VERDICTS, BackendQuality, QualityTable
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
 
 SINKS = 4  # StreamingLLM: four initial tokens carry the attention sink

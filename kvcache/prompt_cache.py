@@ -1,7 +1,7 @@
 """The prompt cache on disk: the KV of long prompts, kept in the user cache directory so that a
 later prompt that starts with the same tokens loads it and prefills only the rest.
 
-Where: ``<cache dir>/prompts/<scope>/<prefix hash>.safetensors`` (``kvcache/prompt_file.py``).
+Where: ``<cache dir>/prompts/<scope>/<prefix hash>.safetensors`` (``kvcache/prompt_cache_file.py``).
 A scope is one (model content hash, backend, KV policy, cache layout); a file holds the cache
 of one token prefix, in the cache's own format (quantized groups stay quantized, a window keeps
 its positions), with that token list, and its metadata lists a hash of every CHUNK-token prefix
@@ -31,9 +31,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from localctx.kvcache import prompt_file
-from localctx.kvcache.hardware import cache_dir
-from localctx.kvcache.prompt_file import BadPromptFile, PromptFile
+from localctx.kvcache import prompt_cache_file
+from localctx.kvcache.hardware_profile import cache_dir
+from localctx.kvcache.prompt_cache_file import BadPromptFile, PromptFile
 
 CHUNK = 512  # = the prefill chunk of the torch engine and llama.cpp's n_batch
 MIN_TOKENS = 512  # shorter prompts are not worth a file
@@ -170,7 +170,7 @@ class PromptCache:
         out = []
         for path in self.folder.glob(f"*{SUFFIX}"):
             try:
-                header, _ = prompt_file.read_header(path)
+                header, _ = prompt_cache_file.read_header(path)
             except BadPromptFile as exc:
                 self._reject(path, str(exc))
                 continue
@@ -201,7 +201,7 @@ class PromptCache:
             if ranked and (m + 1) * CHUNK <= -min(ranked)[0]:
                 break  # this file and the rest share fewer tokens than one already found
             try:  # the token list only: the checksum is checked on the file chosen
-                stored = prompt_file.read(path, verify=False).tensors["tokens"]
+                stored = prompt_cache_file.read(path, verify=False).tensors["tokens"]
             except (BadPromptFile, KeyError) as exc:
                 self._reject(path, str(exc) if isinstance(exc, BadPromptFile) else "it holds no token list")
                 continue
@@ -212,7 +212,7 @@ class PromptCache:
                 ranked.append((-n, len(stored), path))
         for minus_n, _, path in sorted(ranked):
             try:
-                f = prompt_file.read(path)
+                f = prompt_cache_file.read(path)
             except BadPromptFile as exc:
                 self._reject(path, str(exc))
                 continue
@@ -230,7 +230,7 @@ class PromptCache:
             return None
         meta = dict(self.scope.metadata(), **extra, n_tokens=str(len(tokens)), chunk_hashes=json.dumps(hashes),
                     created=str(int(time.time())))
-        prompt_file.write(path, dict(tensors, tokens=np.asarray(tokens, dtype=np.int32)), meta)
+        prompt_cache_file.write(path, dict(tensors, tokens=np.asarray(tokens, dtype=np.int32)), meta)
         evict_to_budget(budget_bytes(), keep=path)
         return path
 
@@ -260,7 +260,7 @@ def entries() -> list[Entry]:
         except OSError:
             continue
         try:
-            meta = prompt_file.read_header(path)[0]["__metadata__"]
+            meta = prompt_cache_file.read_header(path)[0]["__metadata__"]
         except BadPromptFile:
             meta = {}
         out.append(Entry(path, st.st_size, st.st_mtime, meta))

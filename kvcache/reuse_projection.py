@@ -1,6 +1,6 @@
 """What reuse changes in the planner's projections: time to first token when a prefix of the prompt
 is already cached (in the session, or in a prompt-cache file), and what is said about prompt
-lookup's effect on decode (``backends/speculative.py``).
+lookup's effect on decode (``backends/generation/speculation.py``).
 
 TTFT = prefill of the uncached suffix (its FLOPs: the whole prompt's minus the prefix's, so the
 suffix's attention over the prefix is counted) + reading a prefix file: its KV bytes at
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from localctx.kvcache import cost
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
 
 FILE_READ_BYTES_S = 1.0e9

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from localctx.kvcache import cost
 from localctx.kvcache.calibration import Calibration, FormatCost
-from localctx.kvcache.hardware import HardwareProfile
+from localctx.kvcache.hardware_profile import HardwareProfile
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 # The fake backend is a test double: the CLI does not offer it. The suite registers it for itself
 # and for every process it starts, through the registry's plugin variable (backends/registry.py).
-FAKE_BACKEND_PLUGIN = "fake=localctx.backends.fake:FakeBackend"
+FAKE_BACKEND_PLUGIN = "fake=localctx.backends.fake.backend:FakeBackend"
 
 
 def pytest_configure(config):
@@ -20,9 +20,9 @@ def pytest_configure(config):
 
 
 # Triton's interpreter is switched on per process (TRITON_INTERPRET=1, read at import): its tests
-# run in a process of their own (test_triton_interpreter.py), collected only there.
+# run in a process of their own (kernels_cuda/test_triton_interpreter.py), collected only there.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else [
-    "test_cuda_kernels.py", "test_cuda_kernels_e2e.py", "test_cuda_kernels_model.py"]
+    "kernels_cuda/test_cuda_kernels.py", "kernels_cuda/test_cuda_kernels_e2e.py", "kernels_cuda/test_cuda_kernels_model.py"]
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +57,7 @@ def gemma3_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from localctx.backends.modelref import bundled_default_path
+    from localctx.backends.models.ref import bundled_default_path
 
     return bundled_default_path()
 

@@ -133,3 +133,46 @@ def write(path: Path, cfg: TinyGGUF, seed: int = 0) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_every_type(path, endian="little", n_tokens=300):
+    """A tiny GGUF with a metadata value of every type, arrays of several kinds, the tokenizer's big
+    arrays, and tensors of a plain, a half and a block-quantised type (2-D and 3-D)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama",
+                        endianess=gguf.GGUFEndian.BIG if endian == "big" else gguf.GGUFEndian.LITTLE)
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.25)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 1.0 / 3.0)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo {{ messages }}")
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, -1.5])
+    w.add_array("t.strs", ["a", "", "ünïcode"])
+    w.add_array("t.empty", [])
+    w.add_block_count(2)
+    w.add_context_length(64)
+    tokens = [f"tok{i}" for i in range(n_tokens)] + ["<|im_end|>"]
+    w.add_token_list(tokens)
+    w.add_token_types([1] * n_tokens + [3])
+    w.add_token_scores([float(i) / 7 for i in range(n_tokens + 1)])
+    w.add_token_merges(["t o", "to k"])
+    w.add_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}")
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32.weight", rng.standard_normal((3, 8)).astype(np.float32))
+    w.add_tensor("f16.weight", rng.standard_normal((2, 4, 16)).astype(np.float16))
+    q8 = rng.integers(0, 255, size=(4, 2 * 34), dtype=np.uint8)  # 4 rows of 64 Q8_0 elements
+    w.add_tensor("q8.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

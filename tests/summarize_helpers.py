@@ -5,11 +5,12 @@ import io
 import json
 from pathlib import Path
 
-from localctx.app.summarize.batch import BatchConfig, summarize
+from localctx.app.summarize.pipeline import BatchConfig, summarize
 from localctx.app.summarize.events import JsonEvents
 from localctx.app.summarize.jobs import Settings
-from localctx.backends.fake import FAKE_SPEC, FakeBackend
-from localctx.backends.modelref import resolve
+from localctx.backends.fake.backend import FakeBackend
+from localctx.backends.fake.session import FAKE_SPEC
+from localctx.backends.models.ref import resolve
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 

@@ -9,10 +9,10 @@ from localctx.app.bench import goals
 from localctx.app.bench.baseline import baseline_settings
 from localctx.app.bench.projection import Projector
 from localctx.app.bench.results import PointInputs, headline, point
-from localctx.app.bench.runner import Lineup, Outcome
+from localctx.app.bench.schedule import Lineup, Outcome
 from localctx.app.bench.settings import BenchSettings, Series
-from localctx.backends.modelref import ModelRef
-from localctx.kvcache.spec import ModelSpec
+from localctx.backends.models.ref import ModelRef
+from localctx.kvcache.model_spec import ModelSpec
 
 SCHEMA = "localctx.bench/2"
 

@@ -30,8 +30,8 @@ def measure_baseline(req: MeasureRequest, tracker: PeakTracker) -> Sample:
     import llama_cpp
     from llama_cpp import Llama
 
-    from localctx.backends.model_spec import read_spec
-    from localctx.backends.modelref import resolve
+    from localctx.backends.models.spec_reader import read_spec
+    from localctx.backends.models.ref import resolve
 
     ref = resolve(req.model)
     if ref.kind != "gguf":

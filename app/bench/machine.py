@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import platform
 
-from localctx.backends.hardware import cpu_name
+from localctx.backends.machine.detect import cpu_name
 
 
 def load_average() -> list[float] | None:

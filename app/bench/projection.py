@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localctx.backends.hardware import load_per_core, measure_copy_bandwidth
-from localctx.backends.planning import PlanningContext, make_auto_plan, planning_context
+from localctx.backends.machine.detect import load_per_core, measure_copy_bandwidth
+from localctx.backends.machine.planner_inputs import PlanningContext, make_auto_plan, planning_context
 from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.planner import PlanRequest, budget
 from localctx.kvcache.policy import FP16, KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 BASELINE_AS = "llamacpp"  # the planner projects plain llama.cpp as the llama.cpp backend with fp16 KV
 SPEED_TARGET_OVER_FP16 = 1.05  # the forced speed target: this much above the planner's own fp16 projection

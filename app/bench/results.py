@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from localctx.app.bench.measure import Sample
 from localctx.app.bench.projection import BASELINE_AS, Projector
-from localctx.app.bench.runner import Samples
+from localctx.app.bench.schedule import Samples
 from localctx.app.bench.settings import BASELINE_KEY, Series
 
 WINDOW_GOAL = 0.85

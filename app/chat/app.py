@@ -5,7 +5,7 @@ import sys
 
 from textual.app import App
 
-from localctx.app.chat.engine import ChatEngine
+from localctx.app.chat.chat_engine import ChatEngine
 from localctx.app.chat.screens.chat_screen import ChatScreen
 from localctx.app.chat.setup import ChatSetup
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localctx.app.chat.engine import Load, Reopen
+from localctx.app.chat.chat_engine import Load, Reopen
 from localctx.app.history import History
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.plan import Plan

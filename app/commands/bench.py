@@ -18,7 +18,7 @@ from localctx.app.bench.docs import write_doc
 from localctx.app.bench.machine import describe_machine, load_average
 from localctx.app.bench.projection import Projector
 from localctx.app.bench.report import print_report
-from localctx.app.bench.runner import make_lineup, run_bench
+from localctx.app.bench.schedule import make_lineup, run_bench
 from localctx.app.bench.settings import (DEFAULT_CONTEXTS, DEFAULT_POLICIES, BenchSettings, context_label,
                                          parse_contexts, policies_from)
 from localctx.app.session_options import SessionRequest, resolve_model
@@ -58,7 +58,7 @@ def _split(values: list[str] | None) -> list[str]:
 
 
 def settings_from(args: argparse.Namespace) -> BenchSettings:
-    from localctx.backends.llamacpp import default_threads
+    from localctx.backends.llamacpp.session import default_threads
 
     backends = _split(args.backend) or ["auto"]
     backends = list(dict.fromkeys(registry.auto_name() if b == "auto" else b for b in backends))

@@ -11,7 +11,7 @@ import psutil
 
 from localctx.app.session_options import (SessionRequest, add_cache_reuse_option, add_prompt_cache_option,
                                           add_session_options, open_session, plan_session)
-from localctx.backends import speculative
+from localctx.backends.generation import speculation
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--system", default="", help="system prompt for new chats")
     p.add_argument("--max-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--speculate", default="auto", choices=speculative.MODES,
+    p.add_argument("--speculate", default="auto", choices=speculation.MODES,
                    help="prompt-lookup drafts: auto (default), ngram, off")
     p.add_argument("--resume", action="store_true", help="open the most recent saved chat")
     p.set_defaults(handler=handle)

@@ -52,7 +52,7 @@ def _numbers(text: str, kind, what: str) -> tuple:
 
 
 def tasks_from(args: argparse.Namespace):
-    from localctx.backends.eval_tasks import NeedleTask, PerplexityTask
+    from localctx.backends.evaluation.tasks import NeedleTask, PerplexityTask
 
     if args.chunk < 1:
         raise UserError(f"--chunk {args.chunk} must be at least 1")
@@ -86,7 +86,7 @@ def handle(args: argparse.Namespace) -> int:
         raise UserError(f"--threads {args.threads} needs --backend llamacpp and at least 1 "
                         "(torch's threads: LOCALCTX_TORCH_THREADS)")
     if args.backend == "llamacpp":
-        from localctx.backends.llamacpp_evaluate import LlamaCppEvaluator, evaluate
+        from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator, evaluate
 
         ref, _ = resolve_model(SessionRequest(model=args.model, backend="llamacpp"))
         evaluator = LlamaCppEvaluator(ref, threads=args.threads)

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 from localctx.backends import registry
-from localctx.backends.model_spec import read_spec
-from localctx.backends.modelref import ModelRef, bundled_default_path, hub_cache_dir, resolve
+from localctx.backends.models.spec_reader import read_spec
+from localctx.backends.models.ref import ModelRef, bundled_default_path, hub_cache_dir, resolve
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.spec import ModelSpec, describe_layout
+from localctx.kvcache.model_spec import ModelSpec, describe_layout
 
 
 def register(sub) -> None:

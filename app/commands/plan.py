@@ -8,16 +8,16 @@ import json
 import sys
 
 from localctx.app.session_options import SessionRequest, add_session_options, make_plan, resolve_model
-from localctx.backends.hardware import profile_names, resolve_hardware
-from localctx.backends.model_spec import hub_config_spec
-from localctx.backends.modelref import is_repo_id
-from localctx.backends.planning import calibrate_and_save, choose_backend, planning_context
+from localctx.backends.machine.detect import profile_names, resolve_hardware
+from localctx.backends.models.spec_reader import hub_config_spec
+from localctx.backends.models.ref import is_repo_id
+from localctx.backends.machine.planner_inputs import calibrate_and_save, choose_backend, planning_context
 from localctx.kvcache import known_models, reuse_projection
 from localctx.kvcache.cost import format_bytes, full_bytes_per_token
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.planner import NoPlanFits, budget, projection_contexts, projections
 from localctx.kvcache.prompt_cache import CHUNK
-from localctx.kvcache.spec import ModelSpec, describe_layout
+from localctx.kvcache.model_spec import ModelSpec, describe_layout
 
 
 def register(sub) -> None:
@@ -69,7 +69,7 @@ def handle(args: argparse.Namespace) -> int:
         _calibrate(args)
     if req.backend == "openai":  # the server plans, or keeps its own settings
         from localctx.app.session_options import remote_request
-        from localctx.backends.openai.remote import describe_remote
+        from localctx.backends.openai.session import describe_remote
 
         return describe_remote(remote_request(req), as_json=args.json)
     spec, source = model_spec(req)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from localctx.backends.modelref import hub_cache_dir, hub_offline
+from localctx.backends.models.ref import hub_cache_dir, hub_offline
 from localctx.kvcache.errors import RuntimeFailure, UserError
 
 

@@ -6,7 +6,7 @@ import json
 import sys
 
 from localctx.app.session_options import SessionRequest, add_prompt_cache_option, add_session_options, open_session
-from localctx.backends import speculative
+from localctx.backends.generation import speculation
 from localctx.backends.base import GenerationParams, GenerationStats
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
@@ -27,7 +27,7 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past end-of-text up to --max-tokens (for timing a fixed length)")
-    p.add_argument("--speculate", default="auto", choices=speculative.MODES,
+    p.add_argument("--speculate", default="auto", choices=speculation.MODES,
                    help="prompt-lookup drafts verified several tokens per step: auto (default; plain decoding "
                         "where the KV policy cannot roll a draft back exactly), ngram, off")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")

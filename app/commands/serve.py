@@ -90,7 +90,7 @@ def handle(args: argparse.Namespace) -> int:
         raise UserError(f"localctx serve needs {exc.name}: pip install starlette uvicorn") from None
     from localctx.app.serve.http import ServeState, build_app
     from localctx.app.serve.scheduler import Limits, Scheduler
-    from localctx.app.serve.streams import open_streams
+    from localctx.backends.generation.stream_source import open_streams
 
     req = dataclasses.replace(SessionRequest.from_args(args, cache_reuse=args.cache_reuse), timeout=None)
     ref, _spec = resolve_model(req)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options, open_session,
                                           resolve_model)
-from localctx.app.summarize.batch import EXIT_SOME_SKIPPED, BatchConfig, summarize
+from localctx.app.summarize.pipeline import EXIT_SOME_SKIPPED, BatchConfig, summarize
 from localctx.app.summarize.events import JsonEvents, RichEvents
 from localctx.app.summarize.jobs import Settings
 from localctx.app.summarize.store import META_DIR, REPORT_NAME, SUMMARY_SUFFIX
@@ -79,7 +79,7 @@ def model_id(req: SessionRequest) -> str:
 
 def remote_settings(settings: Settings, session) -> Settings:
     """With --backend openai, as many chunks are in flight as the endpoints have slots (up to --batch)."""
-    from localctx.backends.openai.remote import RemoteSession
+    from localctx.backends.openai.session import RemoteSession
 
     if not isinstance(session, RemoteSession):
         return settings

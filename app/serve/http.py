@@ -23,7 +23,7 @@ from localctx.app.serve.protocol import ApiError
 from localctx.app.serve.scheduler import Failed, Refused, Scheduler, ServeJob
 from localctx.backends.base import GenerationEvent
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 POLL_S = 0.25
 

@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from localctx.backends.planning import backend_view
+from localctx.backends.machine.planner_inputs import backend_view
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 
 class LaneMaker(Protocol):
@@ -49,7 +49,7 @@ class LaneRefused(Exception):
 @dataclass
 class Lane:
     plan: Plan
-    streams: object  # SlotBatcher, LlamaSlots or SequentialStreams (app/serve/streams.py)
+    streams: object  # SlotBatcher, LlamaSlots or SequentialStreams (backends/generation/stream_source.py)
     kv_bytes: int  # what the lane counts against the budget: the backend's allocation for plan
     pinned: bool = False
     last_used: float = field(default_factory=time.monotonic)

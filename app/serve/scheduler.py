@@ -63,7 +63,7 @@ class Scheduler:
     def __init__(self, session: Session, streams, limits: Limits = Limits()):
         """``streams``: the first lane's stream source (streams.make_streams / open_streams); lanes for
         other KV policies open beside it on demand (lanes.py)."""
-        from localctx.app.serve.streams import open_lanes
+        from localctx.backends.generation.stream_source import open_lanes
 
         self.session = session
         self.streams: Lanes = open_lanes(session, streams, limits.retry_after_s)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib.util
 
 from localctx.backends.base import Backend, Capabilities
-from localctx.backends.model_spec import NATIVE_GRAPH, read_spec, require_safetensors
+from localctx.backends.models.spec_reader import NATIVE_GRAPH, read_spec, require_safetensors
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 
 class MLXBackend(Backend):

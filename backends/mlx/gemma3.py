@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from localctx.backends.gguf_header import dequantize_f32
-from localctx.backends.mlx.cache import LayerCache, ModelCache
+from localctx.backends.models.gguf_header import dequantize_f32
+from localctx.backends.mlx.policy_cache import LayerCache, ModelCache
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
 
@@ -161,7 +161,7 @@ def _gguf_name(name: str) -> str:
 
 
 def args_from_gguf(reader, name: str) -> ModelArgs:
-    from localctx.backends.model_spec import gguf_field
+    from localctx.backends.models.spec_reader import gguf_field
 
     arch = gguf_field(reader, "general.architecture")
 

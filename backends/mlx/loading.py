@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from localctx.backends.mlx import gemma3
-from localctx.backends.mlx import model as llama
-from localctx.backends.mlx.model import Model, ModelArgs
+from localctx.backends.mlx import llama
+from localctx.backends.mlx.llama import Model, ModelArgs
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
 
@@ -77,7 +77,7 @@ def _page(architecture, source: str):
 
 
 def load_gguf(path: Path, options: LoadOptions = LoadOptions()) -> tuple[LoadedModel, dict]:
-    from localctx.backends.model_spec import gguf_field, read_gguf
+    from localctx.backends.models.spec_reader import gguf_field, read_gguf
 
     reader = read_gguf(path)
     if _page(gguf_field(reader, "general.architecture"), path.name) is gemma3:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from localctx.backends.mlx.cache import CacheShape
+from localctx.backends.mlx.policy_cache import CacheShape
 from localctx.kernels_metal.quant import (QuantFormat, dequantize_keys, dequantize_values, quantize_keys,
                                           quantize_values)
 from localctx.kernels_metal.rope import rope_at

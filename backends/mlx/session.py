@@ -15,20 +15,20 @@ import numpy as np
 
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
-from localctx.backends.mlx import disk_cache
-from localctx.backends.mlx.cache import CacheShape, ModelCache
+from localctx.backends.mlx import prompt_cache as mlx_prompt_cache
+from localctx.backends.mlx.policy_cache import CacheShape, ModelCache
 from localctx.backends.mlx.loading import LoadedModel, LoadOptions, load_folder, load_gguf
 from localctx.backends.mlx.sampling import Sampler
 from localctx.backends.mlx.tokenizer import Tokenizer, folder_tokenizer, gguf_tokenizer
-from localctx.backends.model_spec import read_spec
-from localctx.backends.streaming import KVProbe, stream
+from localctx.backends.models.spec_reader import read_spec
+from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.kernels_metal.decode_attention import KERNEL_AVAILABLE as DECODE_KERNEL
 from localctx.kvcache import prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.prompt_cache import PromptCache
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,12 @@ class MLXSession(Session):
         self.reset()
         return tokens, 0
 
-    # -- the prompt cache on disk (backends/mlx/disk_cache.py) --------------------------------
+    # -- the prompt cache on disk (backends/mlx/prompt_cache.py) --------------------------------
     def enable_prompt_cache(self, model_path: Path) -> str | None:
         if not Path(model_path).is_file():
             return "the prompt cache keys on a single model file; this model is a folder"
         policy, cache = str(self.plan.policy), self.cache
-        self.prompt_cache = PromptCache(lambda: disk_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
+        self.prompt_cache = PromptCache(lambda: mlx_prompt_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
         return None
 
     def _load_from_disk(self, tokens: list[int], reused: int, clock: StatsClock) -> int:
@@ -121,7 +121,7 @@ class MLXSession(Session):
         if hit is None or hit.n_tokens <= reused:
             return reused
         try:
-            disk_cache.load(self.cache, hit)
+            mlx_prompt_cache.load(self.cache, hit)
         except ValueError as exc:
             self.reset()
             self.prompt_cache.notice(f"prompt cache: {hit.file.path.name} does not fit this cache ({exc}); prefilling")
@@ -142,7 +142,7 @@ class MLXSession(Session):
             self.feed(tokens[start:save_at])
             start = save_at
             try:
-                disk_cache.save(self.prompt_cache, self.cache, tokens[:save_at])
+                mlx_prompt_cache.save(self.prompt_cache, self.cache, tokens[:save_at])
             except OSError as exc:  # a full or read-only disk costs the cache, not the answer
                 self.prompt_cache.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
         return self.feed(tokens[start:]) if start < len(tokens) else self.last_logits

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from localctx.backends.chat_template import END_OF_TURN, ChatTemplate, gguf_template_source
-from localctx.backends.llamacpp import quiet_stderr
+from localctx.backends.models.chat_template import END_OF_TURN, ChatTemplate, gguf_template_source
+from localctx.backends.llamacpp.session import quiet_stderr
 from localctx.kvcache.errors import UserError
 
 

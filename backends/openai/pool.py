@@ -20,7 +20,7 @@ from localctx.backends.openai.client import EndpointDown, RequestRefused
 from localctx.kvcache.errors import RuntimeFailure, UserError
 
 if TYPE_CHECKING:
-    from localctx.backends.openai.remote import Endpoint, RemoteSession
+    from localctx.backends.openai.session import Endpoint, RemoteSession
 
 DEAD_AFTER = 3  # consecutive failures before an endpoint is dropped
 MAX_ATTEMPTS = 8  # tries per request, over all endpoints
@@ -125,7 +125,7 @@ class _Spread:
             self.stop.set()
 
     def _answer(self, result: _Result) -> Iterator[tuple[int, GenerationEvent]]:
-        from localctx.backends.openai.remote import _Clock
+        from localctx.backends.openai.session import _Clock
 
         answer = result.answer or {}
         choice = (answer.get("choices") or [{}])[0]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib.util
 
 from localctx.backends.base import Backend, Capabilities
-from localctx.backends.model_spec import NATIVE_GRAPH, require_safetensors
-from localctx.backends.modelref import ModelRef
+from localctx.backends.models.spec_reader import NATIVE_GRAPH, require_safetensors
+from localctx.backends.models.ref import ModelRef
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
-from localctx.backends.streaming import stream
+from localctx.backends.generation.decode_loop import stream
 from localctx.backends.torch.sampling import Sampler
 from localctx.kvcache.errors import UserError
 

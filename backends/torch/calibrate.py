@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from localctx.backends.hardware import detect
-from localctx.backends.model_spec import read_spec
-from localctx.backends.modelref import ModelRef, resolve
+from localctx.backends.machine.detect import detect
+from localctx.backends.models.spec_reader import read_spec
+from localctx.backends.models.ref import ModelRef, resolve
 from localctx.backends.torch.backend import TorchBackend
 from localctx.backends.torch.loading import build_session, load_model
 from localctx.kvcache import cost

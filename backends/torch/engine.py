@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from localctx.backends.torch.model import LlamaModel
+from localctx.backends.torch.llama import LlamaModel
 from localctx.kvcache.block_pool import PoolExhausted
 from localctx.kvcache.paged import PagedKVCache
 

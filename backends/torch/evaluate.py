@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
-from localctx.backends import eval_tasks
-from localctx.backends.eval_tasks import (FILLER, INTRO, QUESTION, NeedleResult, NeedleTask,  # noqa: F401
+from localctx.backends.evaluation import tasks
+from localctx.backends.evaluation.tasks import (FILLER, INTRO, QUESTION, NeedleResult, NeedleTask,  # noqa: F401
                                           PerplexityResult, PerplexityTask, PolicyReport, long_text, text_tokens,
                                           with_baseline)
 from localctx.kvcache.factory import CacheRequest, make_kv_cache
@@ -72,10 +72,10 @@ class PolicyEvaluator:
     # -- passkey retrieval ---------------------------------------------------------------------
     def passkey_prompt(self, length: int, depth: float, key: str) -> list[int]:
         """A prompt of about ``length`` tokens with the key sentence at ``depth`` (0 = start)."""
-        return eval_tasks.passkey_prompt(self.tokenizer, length, depth, key)
+        return tasks.passkey_prompt(self.tokenizer, length, depth, key)
 
     def needle(self, policy: KVPolicy, task: NeedleTask) -> NeedleResult:
-        return eval_tasks.needle_grid(eval_tasks.passkey_cells(self.tokenizer, task),
+        return tasks.needle_grid(tasks.passkey_cells(self.tokenizer, task),
                                       lambda ids: self._greedy(policy, ids, task.answer_tokens, task.chunk))
 
     def _greedy(self, policy: KVPolicy, ids: list[int], n_new: int, chunk: int) -> str:

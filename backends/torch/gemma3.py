@@ -23,13 +23,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from localctx.backends.model_spec import gguf_field, read_config_json
+from localctx.backends.models.spec_reader import gguf_field, read_config_json
 from localctx.backends.torch.config import BuildOptions
 from localctx.backends.torch.gguf_loader import dequantize, spec_from
 from localctx.backends.torch.linear import Linear, make_linear
 from localctx.backends.torch.rope import Rope, RopeScaling
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 GLOBAL_EVERY = 6  # llama.cpp src/llama-model.cpp, LLM_ARCH_GEMMA3: hparams.set_swa_pattern(6)
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa for gemma3 (config.json: rope_local_base_freq)

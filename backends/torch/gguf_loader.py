@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from localctx.backends.gguf_header import TensorInfo, dequantize_f32
-from localctx.backends.model_spec import NATIVE_GRAPH, gguf_field, read_gguf
+from localctx.backends.models.gguf_header import TensorInfo, dequantize_f32
+from localctx.backends.models.spec_reader import NATIVE_GRAPH, gguf_field, read_gguf
 from localctx.backends.torch.config import LlamaConfig
 from localctx.backends.torch.rope import RopeScaling
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 # architectures whose GGUF converter permutes the q/k rows (Qwen's converters do not)
 PERMUTED_ARCHS = {"llama", "mistral"}
@@ -73,7 +73,7 @@ def dequantize(weights: np.ndarray, tensor: TensorInfo) -> torch.Tensor:
 
 def spec_from(path: Path, name: str) -> ModelSpec:
     """The ModelSpec of a loaded GGUF, per layer, from the header read_gguf already parsed (cached)."""
-    from localctx.backends.model_spec import gguf_spec
+    from localctx.backends.models.spec_reader import gguf_spec
 
     return gguf_spec(path, name)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from localctx.backends.model_spec import load_hf_config
+from localctx.backends.models.spec_reader import load_hf_config
 from localctx.backends.torch.config import LlamaConfig
 from localctx.backends.torch.rope import RopeScaling
 from localctx.kvcache.errors import UserError

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from localctx.backends.model_spec import gguf_field, read_config_json, read_gguf
-from localctx.backends.modelref import ModelRef
+from localctx.backends.models.spec_reader import gguf_field, read_config_json, read_gguf
+from localctx.backends.models.ref import ModelRef
 from localctx.backends.torch import gemma3
-from localctx.backends.torch import model as llama
+from localctx.backends.torch import llama
 from localctx.backends.torch.config import BuildOptions
 from localctx.backends.torch.cpu_kernels import policy_attention as cpu_attention
 from localctx.backends.torch.engine import Engine, EngineOptions
@@ -28,7 +28,7 @@ from localctx.kvcache.errors import UserError
 from localctx.kvcache.factory import CacheKernels, CacheRequest, make_kv_cache
 from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
-from localctx.backends.slots import Slot, choose_slot
+from localctx.backends.generation.slots import Slot, choose_slot
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
-from localctx.backends.streaming import KVProbe, stream
+from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.backends.torch.sampling import Sampler
 from localctx.kvcache.errors import UserError
 

@@ -11,22 +11,22 @@ from typing import Iterator, Sequence
 
 import torch
 
-from localctx.backends import speculative
+from localctx.backends.generation import speculation
 from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session, StatsClock,
                                     check_prompt_fits, with_template_stops)
-from localctx.backends.chat_template import ChatTemplate
-from localctx.backends.slots import common_prefix
-from localctx.backends.streaming import KVProbe, stream
+from localctx.backends.models.chat_template import ChatTemplate
+from localctx.backends.generation.slots import common_prefix
+from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.backends.torch.engine import Engine
 from localctx.backends.torch.sampling import Sampler
-from localctx.backends.torch import disk_cache
+from localctx.backends.torch import prompt_cache as torch_prompt_cache
 from localctx.backends.torch.speculate import TorchVerifier
 from localctx.backends.torch.tokenizer import TextTokenizer
 from localctx.kvcache import prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.prompt_cache import PromptCache
-from localctx.kvcache.spec import ModelSpec
+from localctx.kvcache.model_spec import ModelSpec
 
 CONVERSATION = 0
 
@@ -94,7 +94,7 @@ class TorchSession(Session):
         if not model_path.is_file():
             return "the prompt cache keys on a single model file; this model is a folder"
         policy, cache = str(self.plan.policy), self.engine.cache
-        self.prompt_cache = PromptCache(lambda: disk_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
+        self.prompt_cache = PromptCache(lambda: torch_prompt_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
         return None
 
     def _load_from_disk(self, ids: list[int], reused: int, clock: StatsClock) -> int:
@@ -103,18 +103,18 @@ class TorchSession(Session):
         if self.prompt_cache is None:
             return reused
         cache = self.engine.cache
-        hit = disk_cache.lookup(self.prompt_cache, cache, ids, len(ids) - 1)
+        hit = torch_prompt_cache.lookup(self.prompt_cache, cache, ids, len(ids) - 1)
         if hit is None or hit.n_tokens <= reused:
             return reused
         cache.finish(CONVERSATION)
-        disk_cache.load(cache, CONVERSATION, hit)
+        torch_prompt_cache.load(cache, CONVERSATION, hit)
         self.history[:] = ids[:hit.n_tokens]
         clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
         return hit.n_tokens
 
     def _save_to_disk(self, tokens: list[int]) -> None:
         try:
-            disk_cache.save(self.prompt_cache, self.engine.cache, CONVERSATION, tokens)
+            torch_prompt_cache.save(self.prompt_cache, self.engine.cache, CONVERSATION, tokens)
         except OSError as exc:  # a full or read-only disk costs the cache, not the answer
             self.prompt_cache.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
 
@@ -133,12 +133,12 @@ class TorchSession(Session):
         cache.truncate(CONVERSATION, reused)
         self.history = self.history[:reused]
         clock = StatsClock(backend="torch", policy=str(self.plan.policy), prompt_tokens=len(ids),
-                           cached_tokens=reused, speculate=speculative.resolve(params.speculate, self.plan.policy))
+                           cached_tokens=reused, speculate=speculation.resolve(params.speculate, self.plan.policy))
         sampler = Sampler(params)
 
         def prefill() -> torch.Tensor:
             start = self._load_from_disk(ids, reused, clock)
-            save_at = disk_cache.save_point(cache, len(ids), start) if self.prompt_cache is not None else 0
+            save_at = torch_prompt_cache.save_point(cache, len(ids), start) if self.prompt_cache is not None else 0
             try:
                 if save_at:  # the prompt's cache (all but its last token, or to a chunk boundary) goes to disk
                     self.engine.prefill(CONVERSATION, ids[start:save_at])
@@ -159,7 +159,7 @@ class TorchSession(Session):
                 first = prefill().float().cpu().numpy()
                 limit = None if self.plan.policy.evicts else self.plan.context
                 verifier = TorchVerifier(self.engine, CONVERSATION, self.history, limit)
-                yield from speculative.speculative_tokens(verifier, ids, first, params, clock)
+                yield from speculation.speculative_tokens(verifier, ids, first, params, clock)
 
         def tokens() -> Iterator[int]:
             with self._lock:

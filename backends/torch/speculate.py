@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localctx.backends.speculative import MAX_DRAFT
+from localctx.backends.generation.speculation import MAX_DRAFT
 from localctx.backends.torch.engine import Engine
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from localctx.backends.chat_template import END_OF_TURN, gguf_template_source
-from localctx.backends.model_spec import gguf_field
+from localctx.backends.models.chat_template import END_OF_TURN, gguf_template_source
+from localctx.backends.models.spec_reader import gguf_field
 from localctx.kvcache.errors import UserError
 
 _CONTRACTIONS = "'s|'t|'re|'ve|'m|'ll|'d"

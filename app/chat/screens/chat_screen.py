@@ -18,11 +18,11 @@ from textual.timer import Timer
 from textual.widgets import Footer, Header
 
 from localctx.app.chat import slash
-from localctx.app.chat.engine import ChatEngine, Failed, Loaded, Notice, Replanned, Streamed
+from localctx.app.chat.chat_engine import ChatEngine, Failed, Loaded, Notice, Replanned, Streamed
 from localctx.app.chat.figures import CacheFigures, SessionFacts
 from localctx.app.chat.frames import FrameBuffer, FramePacer
 from localctx.app.chat.screens.conversations import ConversationsScreen
-from localctx.app.chat.screens.plan import PlanScreen
+from localctx.app.chat.screens.plan_screen import PlanScreen
 from localctx.app.chat.setup import ChatSetup
 from localctx.app.chat.widgets.cache_panel import CachePanel
 from localctx.app.chat.widgets.conversation import Answer, ConversationView, UserMessage

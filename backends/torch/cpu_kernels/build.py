@@ -24,9 +24,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from localctx.backends.llamacpp_build import cpu_flags
+from localctx.backends.llamacpp.build_flags import cpu_flags
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.hardware import cache_dir
+from localctx.kvcache.hardware_profile import cache_dir
 
 ENV = "LOCALCTX_CPU_KERNELS"
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"))  # the second where -march=native is refused

