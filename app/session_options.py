@@ -3,7 +3,7 @@ turn into a plan and a loaded session."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from localctx.backends import registry
 from localctx.backends.base import Session
@@ -18,18 +18,29 @@ from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.model_spec import ModelSpec
 
 
-def add_session_options(parser: argparse.ArgumentParser) -> None:
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    """-m/--model: every command that loads or plans a model takes it (run, chat, summarize, plan, serve, eval,
+    bench)."""
     parser.add_argument("-m", "--model", default=None,
                         help="GGUF path, HF folder, hub repo id, or omit for the bundled SmolLM2-135M")
+
+
+def add_session_options(parser: argparse.ArgumentParser, remote: bool = True) -> None:
+    """The options of a command that plans and opens one session: -m, --backend, the plan's options
+    (--kv, --context, --min-tok-s, --exact, --max-memory) and, with ``remote``, the openai backend's
+    --endpoint and --timeout. ``localctx serve`` runs a local model: remote=False, and it reads them with
+    SessionRequest.from_local_args."""
+    add_model_option(parser)
     parser.add_argument("--backend", default="auto",
-                        help="llamacpp, torch, mlx, auto (default), or openai (a server: give --endpoint)")
-    parser.add_argument("--endpoint", action="append", default=[], metavar="URL",
-                        help="with --backend openai: an OpenAI-compatible server (repeatable; key from "
-                             "$LOCALCTX_OPENAI_API_KEY)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="with --backend openai: seconds to wait for the server's next bytes before giving up "
-                             "with an error (default 600); localctx serve: the most seconds a request may queue "
-                             "and generate (default 600)")
+                        help="llamacpp, torch, mlx, auto (default), or openai (a server: give --endpoint)" if remote
+                        else "llamacpp, torch, mlx or auto (default)")
+    if remote:
+        parser.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                            help="with --backend openai: an OpenAI-compatible server (repeatable; key from "
+                                 "$LOCALCTX_OPENAI_API_KEY)")
+        parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                            help="with --backend openai: seconds to wait for the server's next bytes before "
+                                 "giving up with an error (default 600)")
     parser.add_argument("--kv", default=None, metavar="POLICY",
                         help="KV policy, e.g. fp16, int8, int4+res128, int4+sink4+win4096 (default: planned)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
@@ -59,11 +70,18 @@ class SessionRequest:
     timeout: float | None = None  # --backend openai: seconds to wait for the server's next bytes
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, prompt_cache: bool = False, cache_reuse: int = 0) -> "SessionRequest":
+    def from_local_args(cls, args: argparse.Namespace, prompt_cache: bool = False,
+                        cache_reuse: int = 0) -> "SessionRequest":
+        """The options add_session_options(remote=False) adds."""
         return cls(model=args.model, backend=args.backend, kv=args.kv, context=args.context,
                    min_tok_s=args.min_tok_s, exact=args.exact, max_memory=args.max_memory,
-                   endpoints=tuple(args.endpoint), prompt_cache=prompt_cache, cache_reuse=cache_reuse,
-                   timeout=args.timeout)
+                   prompt_cache=prompt_cache, cache_reuse=cache_reuse)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, prompt_cache: bool = False, cache_reuse: int = 0) -> "SessionRequest":
+        """The options add_session_options() adds: the local ones and --endpoint, --timeout."""
+        local = cls.from_local_args(args, prompt_cache, cache_reuse)
+        return replace(local, endpoints=tuple(args.endpoint), timeout=args.timeout)
 
     def plan_request(self) -> PlanRequest:
         return PlanRequest(context=self.context, min_tok_s=self.min_tok_s, exact=self.exact,

@@ -21,7 +21,7 @@ from localctx.app.bench.report import print_report
 from localctx.app.bench.schedule import make_lineup, run_bench
 from localctx.app.bench.settings import (DEFAULT_CONTEXTS, DEFAULT_POLICIES, BenchSettings, context_label,
                                          parse_contexts, policies_from)
-from localctx.app.session_options import SessionRequest, resolve_model
+from localctx.app.session_options import SessionRequest, add_model_option, resolve_model
 from localctx.backends import registry
 from localctx.kvcache.errors import UserError
 
@@ -32,7 +32,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="measure speed and memory against context length (vs plain llama.cpp)",
                        description="Measure prefill/decode tok/s and KV memory against context length for each "
                                    "backend and KV policy, beside plain llama-cpp-python measured in the same run.")
-    p.add_argument("-m", "--model", default=None, help="GGUF path, HF folder, repo id, or omit for the bundled SmolLM2")
+    add_model_option(p)
     p.add_argument("--backend", action="append", default=None, metavar="B",
                    help="backend to measure (repeatable or comma-separated; default: auto)")
     p.add_argument("--kv", action="append", default=None, metavar="POLICY",

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from localctx.app.session_options import SessionRequest, resolve_model
+from localctx.app.session_options import SessionRequest, add_model_option, resolve_model
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.policy import KVPolicy
@@ -17,7 +17,7 @@ from localctx.kvcache.policy import KVPolicy
 def register(sub) -> None:
     p = sub.add_parser("eval", help="perplexity and needle retrieval of KV policies against full precision",
                        description="Measure what each KV policy costs in quality, beside the full-precision cache.")
-    p.add_argument("-m", "--model", default=None, help="GGUF path or HF folder (default: the bundled SmolLM2-135M)")
+    add_model_option(p)
     p.add_argument("--backend", choices=("torch", "llamacpp"), default="torch",
                    help="whose KV cache to measure: torch's policy caches (default) or llama.cpp's cache types")
     p.add_argument("--threads", type=int, default=None, metavar="N",

@@ -3,7 +3,6 @@ behind it."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ipaddress
 import os
 import socket
@@ -23,8 +22,10 @@ def register(sub) -> None:
                        description="Serve one model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, "
                                    "/v1/models, /health). Binds 127.0.0.1 unless --host says otherwise; another "
                                    "address needs --api-key.")
-    add_session_options(p)
+    add_session_options(p, remote=False)
     add_cache_reuse_option(p)
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help=f"the most seconds a request may queue and generate (default {REQUEST_TIMEOUT_S:g})")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port, printed)")
     p.add_argument("--api-key", default=None,
@@ -92,7 +93,7 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.serve.scheduler import Limits, Scheduler
     from localctx.backends.generation.stream_source import open_streams
 
-    req = dataclasses.replace(SessionRequest.from_args(args, cache_reuse=args.cache_reuse), timeout=None)
+    req = SessionRequest.from_local_args(args, cache_reuse=args.cache_reuse)
     ref, _spec = resolve_model(req)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
     planned = plan_session(req)
