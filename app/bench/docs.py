@@ -1,6 +1,7 @@
 """docs/benchmarks-bench.md from a bench result: the machine, the command, the headline ratios, the
-goals, the plots and every measurement. The plots and the run's JSON are copied to ``img/`` beside the
-page, so the page can be regenerated from the committed JSON without measuring again."""
+goals, the plots and every measurement. Beside the page, the plots are copied to ``img/`` and the run's
+JSON to ``results/bench/bench.json`` (where docs/ keeps every raw result), so the page can be
+regenerated from the committed JSON without measuring again."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,8 @@ from localctx.app.bench.report import HEADERS, footnotes, headline_rows, point_c
 from localctx.app.bench.settings import context_label
 from localctx.kvcache.cost import format_bytes
 
-SAVED_JSON = "bench.json"
+SAVED_JSON = Path("results") / "bench" / "bench.json"  # relative to the page's folder
+IMAGES = "img"  # relative to the page's folder
 
 
 def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
@@ -56,8 +58,8 @@ def measurement_rows(result: dict) -> list[list[str]]:
 
 def render(result: dict, doc_path: Path) -> str:
     s = result["settings"]
-    img = "img"
-    regenerate = (f"localctx bench --from-json {doc_path.parent.as_posix()}/{img}/{SAVED_JSON} --out /tmp/bench-redraw "
+    img = IMAGES
+    regenerate = (f"localctx bench --from-json {(doc_path.parent / SAVED_JSON).as_posix()} --out /tmp/bench-redraw "
                   f"--doc {doc_path.as_posix()}")
     lines = ["# Benchmarks: speed and memory against context (`localctx bench`)", "",
              f"Measured {result['started']} ({result['duration_s']:.0f} s) with the model {result['model']['name']} "
@@ -100,11 +102,13 @@ def render(result: dict, doc_path: Path) -> str:
 
 
 def write_doc(result: dict, out: Path, doc_path: Path, saved_json: Path) -> Path:
-    img = doc_path.parent / "img"
+    img = doc_path.parent / IMAGES
     img.mkdir(parents=True, exist_ok=True)
     for name in result["plots"]:
         shutil.copyfile(out / name, img / name)
-    if saved_json.resolve() != (img / SAVED_JSON).resolve():
-        shutil.copyfile(saved_json, img / SAVED_JSON)
+    kept = doc_path.parent / SAVED_JSON
+    if saved_json.resolve() != kept.resolve():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(saved_json, kept)
     doc_path.write_text(render(result, doc_path))
     return doc_path

@@ -48,7 +48,8 @@ def register(sub) -> None:
     p.add_argument("--from-json", default=None, metavar="FILE",
                    help="redraw the table and plots from a saved bench.json instead of measuring")
     p.add_argument("--doc", default=None, metavar="FILE.md",
-                   help="also write a markdown page (plots and bench.json copied to img/ beside it)")
+                   help="also write a markdown page (beside it, the plots copied to img/ and bench.json to "
+                        "results/bench/)")
     p.add_argument("--note", default=None, help="a remark about this run, kept in bench.json and shown on the --doc page")
     p.set_defaults(handler=handle)
 
