@@ -3,7 +3,7 @@ against their references, decode attention against fp16 SDPA, and the torch back
 beside the planner's projection. Results go to OUT/cuda-check.json and OUT/cuda-check.txt (plus
 OUT/pytest-output.txt); the JSON is rewritten after every phase, so a run cut short keeps what it had.
 
-    PYTHONPATH=.dev python benchmarks/cuda_check/one_run.py --out $OUT     # on the GPU machine
+    python benchmarks/cuda_check/one_run.py --out $OUT     # on the GPU machine
     python benchmarks/cuda_check/one_run.py --smoke --out /tmp/smoke       # tiny shapes, CPU, Triton's interpreter
 
 Phases (each one's failure is recorded and the next still runs; ``--budget-s`` gives each phase a
@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds for the whole run; cases past a phase's share are skipped and recorded")
     p.add_argument("--skip", default="", help="comma-separated phases not to run: " + ", ".join(DEADLINES))
     p.add_argument("--wheels", type=Path, default=None,
-                   help="folder of wheels to install offline first (e.g. pytest where it is missing)")
+                   help="folder of wheels to install offline first, e.g. benchmarks/cuda_check/wheels with "
+                        "pytest's (docs/benchmarks-cuda.md)")
     return p.parse_args(argv)
 
 

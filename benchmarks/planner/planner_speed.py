@@ -6,8 +6,8 @@ is compared with `session.generate` on the bundled SmolLM2 at 256, 2K and 8K pro
 fp16 KV unless --kv names another policy. Rounds are interleaved (each round visits every context
 length, ascending, reusing the cached prefix), and medians are reported.
 
-    PYTHONPATH=.dev python benchmarks/planner/planner_speed.py --rounds 3 [--backend torch] [--kv POLICY] [--calibrate] [--save m.json]
-    PYTHONPATH=.dev python benchmarks/planner/planner_speed.py --report m.json   # project again, e.g. after calibrating
+    python benchmarks/planner/planner_speed.py --rounds 3 [--backend torch] [--kv POLICY] [--calibrate] [--save m.json]
+    python benchmarks/planner/planner_speed.py --report m.json   # project again, e.g. after calibrating
 """
 from __future__ import annotations
 

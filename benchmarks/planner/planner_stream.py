@@ -7,9 +7,9 @@ defaults but the same threads, n_ctx = the trained 8K, fp16 KV) is measured in t
 the checkpoints it can hold. Rounds interleave the plans so that load from other processes hits
 them alike; medians are reported.
 
-    PYTHONPATH=.dev python benchmarks/planner/planner_stream.py --rounds 2
-    PYTHONPATH=.dev python benchmarks/planner/planner_stream.py --decode-stream 16384   # one long generation
-    PYTHONPATH=.dev python benchmarks/planner/planner_stream.py --decode-stream 16384 --target-only
+    python benchmarks/planner/planner_stream.py --rounds 2
+    python benchmarks/planner/planner_stream.py --decode-stream 16384   # one long generation
+    python benchmarks/planner/planner_stream.py --decode-stream 16384 --target-only
 """
 from __future__ import annotations
 

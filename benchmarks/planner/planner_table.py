@@ -1,6 +1,6 @@
 """The planner's decision table for docs/planner.md: named machines × known models × contexts.
 
-    PYTHONPATH=.dev python benchmarks/planner/planner_table.py --json docs/results/planner/planner-table.json > /tmp/table.md
+    python benchmarks/planner/planner_table.py --json docs/results/planner/planner-table.json > /tmp/table.md
 
 Each row is what `localctx plan -m MODEL --hardware H --context N` decides, with the backend that
 machine would run (Apple → mlx, NVIDIA → torch, CPU → llama.cpp) and that backend's capabilities in

@@ -11,7 +11,7 @@ non-zero if the bytes ever differ from the prediction or pass the cost model's p
 window is full the bytes only cycle through the few values of a quantization group's phases
 (a quantized group leaves the window whole), the same values for the rest of the stream.
 
-    PYTHONPATH=.dev python benchmarks/quality/kv_stream_generation.py --kv int4+sink4+win2048 --tokens 20000
+    python benchmarks/quality/kv_stream_generation.py --kv int4+sink4+win2048 --tokens 20000
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ of a T-token verify batch (``backends/llamacpp/speculate.py``); printed per T: t
 absolute logit difference and whether the argmax agrees. T = 1 goes through the verify path too,
 so a difference there would be a bug in it; for T ≥ 2 it is llama.cpp's batch kernels.
 
-    PYTHONPATH=.dev python benchmarks/reuse/verify_numerics.py --kv fp16 --json docs/results/reuse/benchmarks-reuse-numerics.json
+    python benchmarks/reuse/verify_numerics.py --kv fp16 --json docs/results/reuse/benchmarks-reuse-numerics.json
 """
 from __future__ import annotations
 

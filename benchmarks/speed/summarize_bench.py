@@ -15,7 +15,7 @@ same localctx session as the localctx run, one ``Session.generate`` per truncate
 same engine, weights and threads, without chunking or batching). On ``--backend llamacpp`` both
 are llama.cpp; on ``--backend torch`` only ``session`` is the same engine.
 
-    PYTHONPATH=.dev python benchmarks/speed/summarize_bench.py --docs 20 --min-tokens 4000 --max-tokens 30000
+    python benchmarks/speed/summarize_bench.py --docs 20 --min-tokens 4000 --max-tokens 30000
 """
 from __future__ import annotations
 

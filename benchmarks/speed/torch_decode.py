@@ -1,6 +1,6 @@
 """Decode speed of the torch backend beside llama.cpp, measured in the same run.
 
-    PYTHONPATH=.dev python benchmarks/speed/torch_decode.py --dtype fp32 --weights int8 --threads 1
+    python benchmarks/speed/torch_decode.py --dtype fp32 --weights int8 --threads 1
 
 For each context length the prompt (English text from pydoc_data.topics) is prefilled once;
 batch B > 1 forks that sequence's blocks into B-1 more sequences (same KV content, separate

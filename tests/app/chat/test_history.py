@@ -5,7 +5,6 @@ import asyncio
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +12,6 @@ from localctx.app.history import DB_NAME, ChatMessage, Conversation, History, Tu
 from localctx.kvcache.errors import RuntimeFailure
 
 from chat_helpers import SIZE, make_app, wait_until
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def stats(finish: str = "stop") -> TurnStats:
@@ -112,8 +109,7 @@ def test_app_says_the_history_was_moved_aside(tmp_path):
 ])
 def test_cli_chat_bad_input_is_one_line(tmp_path, args, error):
     """Bad options fail before the TUI starts, as one line and exit code 2."""
-    env = dict(os.environ, LOCALCTX_DATA_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
-        [str(ROOT / ".dev"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, LOCALCTX_DATA_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "localctx.app.cli", "chat", "--backend", "fake", *args],
                          capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
     assert out.returncode == 2, out.stderr
