@@ -1,5 +1,5 @@
 """The figures of docs/quality.md that this script names: each is one `localctx eval ... --json`
-command, whose output is written (atomically) to docs/quality-NAME.json, so every row of those
+command, whose output is written (atomically) to docs/results/quality/quality-NAME.json, so every row of those
 tables regenerates from a committed command.
 
     python benchmarks/quality/quality_tables.py --list          # the names and their commands

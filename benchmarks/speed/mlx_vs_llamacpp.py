@@ -1,8 +1,8 @@
 """A paired speed check of --backend mlx against plain llama.cpp (llama-cpp-python, default
 f16 KV) on the same prompt, interleaved run by run so both see the same machine load:
 
-    python -m localctx.backends.mlx.bench [-m MODEL] [--tokens 256] [--decode 16] [--reps 3]
-                                         [--kv fp16 --kv int8 ...]
+    python benchmarks/speed/mlx_vs_llamacpp.py [-m MODEL] [--tokens 256] [--decode 16] [--reps 3]
+                                               [--kv fp16 --kv int8 ...]
 
 Prints one JSON object: per configuration the median prefill and decode tok/s, KV bytes, and
 the ratio to llama.cpp measured in the same run."""
@@ -57,7 +57,7 @@ def _llama_run(llm, tokens: list[int], n_decode: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m localctx.backends.mlx.bench")
+    ap = argparse.ArgumentParser(prog="python benchmarks/speed/mlx_vs_llamacpp.py")
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--decode", type=int, default=16)
