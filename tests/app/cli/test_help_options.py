@@ -239,3 +239,11 @@ def test_version_falls_back_to_the_installed_metadata(monkeypatch, tmp_path):
     fake_file = tmp_path / "localctx" / "app" / "cli.py"
     monkeypatch.setattr(cli_module, "__file__", str(fake_file))
     assert cli_module.package_version() == version("localctx")
+
+
+def test_the_readme_lists_every_run_option(capsys):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    paragraph = readme.split("Options of `run`")[1].split("\n\n")[0]
+    missing = [name for name, _ in listed_options(help_text(capsys, "run")) if f"`{name}" not in paragraph
+               and f"/{name}" not in paragraph]
+    assert not missing, f"README.md's options of `run` leave out {', '.join(missing)}"
