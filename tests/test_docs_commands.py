@@ -40,15 +40,14 @@ def located(page: Path, path: str) -> Path:
     """A path as a page names it: from the repository root when it starts with a top-level folder,
     else from the page's own folder (docs/ pages link `results/quality/x.json`)."""
     first = path.split("/")[0]
-    return ROOT / path if (ROOT / first).exists() and first not in ("results", "img") or page.parent == ROOT \
-        else page.parent / path
+    from_root = page.parent == ROOT or (first not in ("results", "img") and (ROOT / first).exists())
+    return ROOT / path if from_root else page.parent / path
 
 
 def exists(target: Path) -> bool:
-    text = target.as_posix()
-    if PLACEHOLDER.search(target.name):
-        return any(target.parent.glob(PLACEHOLDER.sub("*", target.name)))
-    return "*" in text and any(target.parent.glob(target.name)) or target.exists()
+    """A file or folder; a name with a placeholder (quality-NAME.json) or a * needs one match."""
+    pattern = PLACEHOLDER.sub("*", target.name)
+    return any(target.parent.glob(pattern)) if "*" in pattern else target.exists()
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
