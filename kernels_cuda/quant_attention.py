@@ -27,7 +27,9 @@ class RotaryWithFrequencies(Protocol):
 
 # Everything below builds device tensors with kernels (arange/full), never from host lists, so a
 # call can be captured in a CUDA graph.
-def _full_segment(full: FullTokens, dtype: torch.dtype) -> FullSegment:
+def full_segment(full: FullTokens, dtype: torch.dtype) -> FullSegment:
+    """One sequence's full-precision tokens as a FullSegment of one block (the whole sequence), in
+    ``dtype``, for launch.run_attention."""
     k, v = full.k.to(dtype), full.v.to(dtype)
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -63,7 +65,7 @@ def attend(q: torch.Tensor, q_positions: torch.Tensor, full: FullTokens, quant: 
         return attend_reference(q, q_positions, full, quant, rope, scale=scale, want_mass=want_mass)
     T, Hq, D = q.shape
     qr = rope.rotate(q.unsqueeze(0), q_positions.unsqueeze(0))
-    seg_full = _full_segment(full, q.dtype)
+    seg_full = full_segment(full, q.dtype)
     seg_quant = _quant_segment(quant)
     out, mass = run_attention(Queries(qr, q_positions.reshape(1, T)), seg_full, seg_quant,
                               inv_freq=rope.inv_freq, scale=scale if scale is not None else D ** -0.5,

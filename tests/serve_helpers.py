@@ -14,7 +14,7 @@ from pathlib import Path
 from localctx.app.commands.serve import bind
 from localctx.app.serve.http import ServeState, build_app
 from localctx.app.serve.scheduler import Limits, Scheduler
-from localctx.backends.generation.stream_source import make_streams
+from localctx.app.serve.streams import make_streams
 
 START_TIMEOUT_S = 240  # loading and planning take a minute on a busy 2-core machine
 

@@ -15,10 +15,7 @@ MAY_IMPORT = {
     "kvcache": {"assets"},
 }
 # (file, imported module): why it is allowed for now
-EXCEPTIONS = {
-    ("backends/generation/stream_source.py", "localctx.app.serve.lanes"):
-        "torch's lanes (one KV policy per lane) are opened for localctx serve from here",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def imports(path: Path) -> list[str]:

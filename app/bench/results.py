@@ -20,7 +20,7 @@ def summary(values: list[float]) -> dict:
             "spread_pct": round(100 * (hi - lo) / 2 / med, 1) if med else 0.0, "values": values}
 
 
-def _paired_ratio(mine: list[Sample], base: list[Sample], field: str) -> float | None:
+def paired_ratio(mine: list[Sample], base: list[Sample], field: str) -> float | None:
     """Median of run-by-run ratios when both sides have every run (drift cancels), else ratio of medians."""
     if not mine or not base:
         return None
@@ -64,8 +64,8 @@ def point(series: Series, context: int, samples: Samples, inputs: PointInputs) -
         "roofline_decode_tok_s": proj.roofline_decode_tok_s,
         "roofline_fraction": decode["median"] / proj.roofline_decode_tok_s if proj.roofline_decode_tok_s else None,
         "planner_decode_tok_s": proj.planner_decode_tok_s, "planner_basis": proj.planner_basis,
-        "decode_vs_baseline": None if series.baseline else _paired_ratio(ok, base_ok, "decode_tok_s"),
-        "prefill_vs_baseline": None if series.baseline else _paired_ratio(ok, base_ok, "prefill_tok_s"),
+        "decode_vs_baseline": None if series.baseline else paired_ratio(ok, base_ok, "decode_tok_s"),
+        "prefill_vs_baseline": None if series.baseline else paired_ratio(ok, base_ok, "prefill_tok_s"),
         "samples": [s.to_dict() for s in got],
     }
     return out

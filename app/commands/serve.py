@@ -91,7 +91,7 @@ def handle(args: argparse.Namespace) -> int:
         raise UserError(f"localctx serve needs {exc.name}: pip install starlette uvicorn") from None
     from localctx.app.serve.http import ServeState, build_app
     from localctx.app.serve.scheduler import Limits, Scheduler
-    from localctx.backends.generation.stream_source import open_streams
+    from localctx.app.serve.streams import open_streams
 
     req = SessionRequest.from_local_args(args, cache_reuse=args.cache_reuse)
     ref, _spec = resolve_model(req)

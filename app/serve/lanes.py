@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from localctx.backends.generation.stream_source import StreamSource
 from localctx.backends.machine.planner_inputs import backend_view
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
@@ -27,17 +28,23 @@ from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.model_spec import ModelSpec
 
 
-class LaneMaker(Protocol):
-    """What a backend gives the lanes: which policies it cannot serve per request (beyond the
-    backend's own refusals), how to open a lane's streams on the shared weights, and how to free them."""
+class LaneMaker(ABC):
+    """What a backend gives the lanes (app/serve/lane_makers.py): how to open a lane's streams on the
+    shared weights, which policies it cannot serve per request (beyond the backend's own refusals;
+    by default none), the KV bytes a lane counts (by default None: the backend's allocation,
+    Backend.kv_allocation, else the cost model), and how to free a lane's streams (by default: close them)."""
 
-    def refusal(self, policy: KVPolicy) -> str | None: ...
+    @abstractmethod
+    def open(self, plan: Plan) -> StreamSource: ...
 
-    def kv_bytes(self, plan: Plan) -> int | None: ...
+    def refusal(self, policy: KVPolicy) -> str | None:
+        return None
 
-    def open(self, plan: Plan): ...
+    def kv_bytes(self, plan: Plan) -> int | None:
+        return None
 
-    def release(self, streams) -> None: ...
+    def release(self, streams: StreamSource) -> None:
+        streams.close()
 
 
 class LaneRefused(Exception):
@@ -49,10 +56,14 @@ class LaneRefused(Exception):
 @dataclass
 class Lane:
     plan: Plan
-    streams: object  # SlotBatcher, LlamaSlots or SequentialStreams (backends/generation/stream_source.py)
+    streams: StreamSource  # SlotBatcher, LlamaSlots or SequentialStreams
     kv_bytes: int  # what the lane counts against the budget: the backend's allocation for plan
     pinned: bool = False
     last_used: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.streams, StreamSource):
+            raise TypeError(f"a lane's streams must be a StreamSource, not {type(self.streams).__name__}")
 
     @property
     def busy(self) -> bool:
@@ -66,7 +77,7 @@ class Lane:
 
 
 class Lanes:
-    def __init__(self, spec: ModelSpec, served: Plan, streams, maker: LaneMaker, pinned: bool,
+    def __init__(self, spec: ModelSpec, served: Plan, streams: StreamSource, maker: LaneMaker, pinned: bool,
                  retry_after_s: int = 1):
         self.spec = spec
         self.served = served

@@ -15,8 +15,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from localctx.app.serve.lane_makers import open_lanes
 from localctx.app.serve.lanes import Lane, LaneRefused, Lanes
-from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, Session, check_prompt_fits
+from localctx.backends.base import GenerationParams, Prompt, Session, check_prompt_fits
+from localctx.backends.generation.stream_source import StreamSource
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -60,11 +62,9 @@ class Limits:
 
 
 class Scheduler:
-    def __init__(self, session: Session, streams, limits: Limits = Limits()):
+    def __init__(self, session: Session, streams: StreamSource, limits: Limits = Limits()):
         """``streams``: the first lane's stream source (streams.make_streams / open_streams); lanes for
         other KV policies open beside it on demand (lanes.py)."""
-        from localctx.backends.generation.stream_source import open_lanes
-
         self.session = session
         self.streams: Lanes = open_lanes(session, streams, limits.retry_after_s)
         self.limits = limits
@@ -211,7 +211,7 @@ class Scheduler:
 
     def _step_lane(self, lane: Lane) -> None:
         try:
-            events: list[tuple[object, GenerationEvent]] = lane.streams.step()
+            events = lane.streams.step()
         except Exception as exc:
             lane.streams.cancel_all()
             for key, job in list(self._live.items()):

@@ -1,9 +1,16 @@
 """Conversation slots for a server: a slot is a KV sequence that outlives its request and
-remembers the tokens it holds, so a follow-up turn can keep the longest common prefix."""
+remembers the tokens it holds, so a follow-up turn can keep the longest common prefix.
+``SlotStreams`` is what the batching stream sources share."""
 from __future__ import annotations
 
+import contextlib
+import time
+from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
+
+from localctx.backends.base import GenerationEvent
+from localctx.backends.generation.stream_source import StreamSource
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -37,3 +44,81 @@ def choose_slot(slots: list[Slot], ids: list[int]) -> tuple[Slot, int] | None:
     empty = [s for s in idle if not s.history]
     slot = empty[0] if empty else min(idle, key=lambda s: s.last_used)
     return slot, common_prefix(slot.history, ids)
+
+
+class SlotStreams(StreamSource):
+    """A batching StreamSource over conversation slots (torch's SlotBatcher, llama.cpp's LlamaSlots).
+
+    Each live stream has a ``slot`` and ``events`` (its event stream; None until the source
+    prefills it). A stream that ends leaves its slot idle and holding its conversation, unless it
+    failed or the slot's cache is out of step with its ``history`` (``_in_step``): then the slot
+    forgets it (``_forget``)."""
+
+    def __init__(self, session, slots: list[Slot]):
+        self.session = session
+        self.slots = slots
+        self.live: list = []
+        self.widest = 0  # most streams decoded in one step so far
+
+    @property
+    def batching(self) -> bool:
+        return True
+
+    @property
+    def active(self) -> int:
+        return len(self.live)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.slots)
+
+    @abstractmethod
+    def _in_step(self, live) -> bool:
+        """Whether ``live``'s slot holds exactly the tokens of its history in its cache."""
+
+    @abstractmethod
+    def _forget(self, slot: Slot) -> None:
+        """Drops ``slot``'s cached tokens and history."""
+
+    def _free(self, live) -> None:
+        """Frees what ``live`` holds beyond its slot (nothing, unless the source says otherwise)."""
+
+    def _end(self, live, failed: bool = False) -> None:
+        if live in self.live:
+            self.live.remove(live)
+        if live.events is not None:
+            live.events.close()
+        self._free(live)
+        slot = live.slot
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        if failed or not self._in_step(live):
+            self._forget(slot)  # failed, or cache and history out of step: forget the conversation
+
+    @contextlib.contextmanager
+    def _end_on_error(self, live: list) -> Iterator[None]:
+        """Ends every stream of ``live``, failed, when the block raises (their forward is shared: none
+        of their caches can be trusted), and raises on."""
+        try:
+            yield
+        except BaseException:
+            for s in live:
+                self._end(s, failed=True)
+            raise
+
+    def _next_events(self, live: list) -> list[tuple[object, GenerationEvent]]:
+        """Each stream's next event, in order; a stream whose event is "done" ends."""
+        out = []
+        for s in live:
+            event = next(s.events)
+            out.append((s, event))
+            if event.kind == "done":
+                self._end(s)
+        return out
+
+    def cancel_all(self) -> None:
+        for s in list(self.live):
+            self._end(s, failed=True)
+
+    def close(self) -> None:
+        self.cancel_all()

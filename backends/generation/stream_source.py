@@ -1,22 +1,65 @@
-"""What the scheduler drives: a source of streams over one loaded session.
-
-``start(prompt, params, cancel)`` prefills a request and returns (stream, first event), or None
-when it has to wait; ``step()`` advances every live stream by one token and returns their events.
-A source may return (stream, None) instead and prefill the stream in its next ``step``, which then
-returns its first event (the torch batcher does, so that streams joining together prefill together).
-Torch and llama.cpp sessions batch (``backends.torch.serving.SlotBatcher``,
-``backends.llamacpp.serving.LlamaSlots``: continuous batching, per-slot KV reuse); other
-backends run one stream at a time through ``Session.generate``, whose own cache keeps the last
-conversation (a follow-up turn prefills only its new tokens)."""
+"""What ``localctx serve``'s scheduler drives (app/serve/scheduler.py): a source of streams over
+one loaded session. ``StreamSource`` is the contract; the sources are ``SequentialStreams`` (here:
+one stream at a time on any Session, whose own cache keeps the last conversation, so a follow-up
+turn prefills only its new tokens) and the batching ones over conversation slots
+(backends/generation/slots.SlotStreams): torch's ``SlotBatcher`` (backends/torch/serving.py) and
+llama.cpp's ``LlamaSlots`` (backends/llamacpp/serving.py), continuous batching with per-slot KV
+reuse. Which one a server runs is chosen in app/serve/streams.py."""
 from __future__ import annotations
 
-import dataclasses
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Generator, Iterator
 
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, Session
-from localctx.kvcache import cost
+
+
+class StreamSource(ABC):
+    """A source of streams over one loaded ``session``, driven from one thread (the scheduler's).
+
+    ``start(prompt, params, cancel)`` admits a request and returns ``(stream, first event)``, or
+    ``(stream, None)`` when the source prefills it in its next ``step`` (which then returns its first
+    event: the torch batcher does, so that streams joining together prefill together), or None when
+    it has to wait (no free slot, or not enough KV now); it raises UserError for a request that can
+    never run (the server answers 400) and any other exception when the backend failed.
+
+    ``step()`` advances every live stream by one token and returns ``(stream, event)`` for each; a
+    stream whose event is "done" has ended. When ``step`` raises, the backend failed: the caller
+    fails every live stream and ends them with ``cancel_all``.
+    A stream is an opaque key: the caller only compares it (``id(stream)``).
+    ``cancel_all()`` ends every live stream; ``close()`` also frees what the source holds.
+
+    ``batching``: whether live streams are decoded together; ``active``: live streams now;
+    ``capacity``: the most live at once; ``widest``: the most streams decoded in one step so far."""
+
+    session: Session
+    widest: int
+
+    @property
+    @abstractmethod
+    def batching(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def active(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int: ...
+
+    @abstractmethod
+    def start(self, prompt: Prompt, params: GenerationParams, cancel: threading.Event | None
+              ) -> tuple[object, GenerationEvent | None] | None: ...
+
+    @abstractmethod
+    def step(self) -> list[tuple[object, GenerationEvent]]: ...
+
+    @abstractmethod
+    def cancel_all(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -24,8 +67,8 @@ class OneStream:
     events: Iterator[GenerationEvent]
 
 
-class SequentialStreams:
-    """One stream at a time on any Session."""
+class SequentialStreams(StreamSource):
+    """One stream at a time on any Session, through ``Session.generate``."""
 
     def __init__(self, session: Session):
         self.session = session
@@ -44,23 +87,24 @@ class SequentialStreams:
     def capacity(self) -> int:
         return 1
 
-    def kv_bytes(self) -> int:
-        return 0  # reported per stream by the session's own events
-
     def start(self, prompt: Prompt, params: GenerationParams,
               cancel: threading.Event | None) -> tuple[OneStream, GenerationEvent] | None:
         if self.current is not None:
             return None
         one = OneStream(iter(self.session.generate(prompt, params, cancel)))
         self.current = one
+        return one, self._next(one)
+
+    def _next(self, one: OneStream) -> GenerationEvent:
+        """The stream's next event; the stream ends when that is "done" or when it raises."""
         try:
-            first = next(one.events)
+            event = next(one.events)
         except BaseException:
             self._end()
             raise
-        if first.kind == "done":
+        if event.kind == "done":
             self._end()
-        return one, first
+        return event
 
     def _end(self) -> None:
         one, self.current = self.current, None
@@ -71,171 +115,10 @@ class SequentialStreams:
         one = self.current
         if one is None:
             return []
-        try:
-            event = next(one.events)
-        except BaseException:
-            self._end()
-            raise
-        if event.kind == "done":
-            self._end()
-        return [(one, event)]
+        return [(one, self._next(one))]
 
     def cancel_all(self) -> None:
         self._end()
 
     def close(self) -> None:
         self._end()
-
-
-def open_streams(planned, parallel: int) -> tuple[Session, object]:
-    """Loads ``planned`` (app/session_options.PlannedSession) for a server: (session, streams).
-    On llama.cpp the batched slots hold the plan's KV in their own context, and the session keeps
-    only a minimal one beside them (serving.open_slots)."""
-    plan = planned.plan
-    if parallel > 1 and plan.backend == "llamacpp" and not plan.policy.evicts:
-        from localctx.backends.llamacpp.serving import open_slots
-
-        slots = open_slots(planned.ref, plan, parallel, planned.cache_reuse)
-        return slots.session, slots
-    session = planned.load()
-    return session, make_streams(session, parallel)
-
-
-def make_streams(session: Session, parallel: int):
-    """Continuous batching where the backend supports it (torch; llama.cpp unless the policy
-    evicts through its context shift), else one at a time."""
-    if parallel > 1 and session.backend_name == "llamacpp" and not session.plan.policy.evicts:
-        from localctx.backends.llamacpp.session import LlamaCppSession
-        from localctx.backends.llamacpp.serving import LlamaSlots
-
-        if isinstance(session, LlamaCppSession):
-            return LlamaSlots(session, parallel)
-    if parallel > 1 and session.backend_name == "torch":  # torch is imported only when it is the backend
-        from localctx.backends.torch.serving import SlotBatcher
-        from localctx.backends.torch.session import TorchSession
-
-        if isinstance(session, TorchSession):
-            return SlotBatcher(session, parallel)
-    return SequentialStreams(session)
-
-
-# -- lanes: per-request KV policies on the loaded weights (app/serve/lanes.py) --------------------
-class TorchLanes:
-    """A lane is a TorchSession of its own (its own KV pool) on the served session's model."""
-
-    def __init__(self, session, parallel: int):
-        self.session, self.parallel = session, parallel
-
-    def refusal(self, policy) -> str | None:
-        return None
-
-    def kv_bytes(self, plan) -> int | None:
-        """A windowed policy cache's pool (backends/torch/loading.build_session) lets each slot hold
-        its window: counted as that many held tokens at the policy's precision. Others: the cost model."""
-        policy = plan.policy
-        if not policy.evicts:
-            return None
-        options, held = self.session.options, policy.capacity() + policy.group_size
-        pool = max(options.pool_tokens or plan.context, held + options.prefill_chunk)
-        unwindowed = dataclasses.replace(policy, sinks=0, window=None, heavy=0)
-        return cost.max_kv_bytes(self.session.spec, unwindowed, min(pool, self.parallel * held))
-
-    def open(self, plan):
-        from localctx.backends.torch.loading import LoadedModel, build_session
-
-        s = self.session
-        lane = build_session(LoadedModel(s.engine.model, s.tokenizer, s.spec), plan, s.options)
-        return make_streams(lane, self.parallel)
-
-    def release(self, streams) -> None:
-        streams.close()
-        streams.session.release_kv()
-
-
-class LlamaCppLanes:
-    """A lane is a context of its own on the served session's ``llama_model`` (llama_init_from_model
-    on the shared weights, as the batched slots already are), with the lane's K and V types."""
-
-    def __init__(self, session, parallel: int, cache_reuse: int):
-        self.session, self.parallel, self.cache_reuse = session, parallel, cache_reuse
-
-    def refusal(self, policy) -> str | None:
-        if policy.evicts:
-            return ("on llama.cpp sinks + window run through the context shift of the session's own context, which "
-                    "holds the policy the server was started with; a per-request lane holds fp16, int8 or int4 KV")
-        return None
-
-    def kv_bytes(self, plan) -> int | None:
-        return None  # the backend's own allocation (Backend.kv_allocation), else the cost model
-
-    def open(self, plan):
-        from localctx.backends.llamacpp.serving import LlamaSlots
-
-        return LlamaSlots(self.session, self.parallel, self.cache_reuse, plan=plan)
-
-    def release(self, streams) -> None:
-        streams.close()
-
-
-class FakeLanes:
-    """The fake backend has no weights: a lane is a fake session of its own."""
-
-    def __init__(self, session):
-        self.session = session
-
-    def refusal(self, policy) -> str | None:
-        return None
-
-    def kv_bytes(self, plan) -> int | None:
-        return None  # the backend's own allocation (Backend.kv_allocation), else the cost model
-
-    def open(self, plan):
-        from localctx.backends.fake.session import FakeSession
-
-        return SequentialStreams(FakeSession(plan, self.session.delay))
-
-    def release(self, streams) -> None:
-        streams.close()
-
-
-class OnePolicy:
-    """Backends without lanes (MLX) serve the policy they were started with."""
-
-    def __init__(self, backend: str):
-        self.backend = backend
-
-    def refusal(self, policy) -> str | None:
-        return (f"the {self.backend} backend serves only the KV policy it was started with (per-request policies "
-                "run on torch, llama.cpp and the fake backend)")
-
-    def kv_bytes(self, plan) -> int | None:
-        return None  # the backend's own allocation (Backend.kv_allocation), else the cost model
-
-    def open(self, plan):
-        raise AssertionError("refusal() refuses every policy a lane would open")
-
-    def release(self, streams) -> None:
-        streams.close()
-
-
-def open_lanes(session: Session, streams, retry_after_s: int = 1):
-    """The lanes of a server whose first lane is ``streams`` over ``session``, with the session's plan
-    (on llama.cpp slots the session's own context is minimal: the slots hold that plan's KV)."""
-    from localctx.app.serve.lanes import Lanes
-
-    name = session.backend_name
-    maker, pinned = OnePolicy(name), True
-    if name == "torch":
-        from localctx.backends.torch.session import TorchSession
-
-        if isinstance(session, TorchSession):
-            maker, pinned = TorchLanes(session, streams.capacity), False
-    elif name == "llamacpp":
-        from localctx.backends.llamacpp.serving import LlamaSlots
-
-        slots = isinstance(streams, LlamaSlots)
-        maker = LlamaCppLanes(session, streams.capacity, streams.cache_reuse if slots else 0)
-        pinned = not slots  # one stream at a time: its KV is the session's own context
-    elif name == "fake":
-        maker, pinned = FakeLanes(session), False
-    return Lanes(session.spec, session.plan, streams, maker, pinned, retry_after_s)

@@ -52,9 +52,10 @@ def reported_caches(path: Path, settings: list[LlamaCppCache], timeout: float = 
 
 def _open_contexts(path: str, settings: list[dict]) -> None:
     import llama_cpp
-    from llama_cpp import _logger
 
-    _logger.set_verbose(True)  # llama-cpp-python's log callback prints llama.cpp's log to stderr
+    from localctx.backends.llamacpp.session import set_llama_log
+
+    set_llama_log(True)  # llama.cpp's log to stderr, where the parent reads it
     mparams = llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
     if not model:

@@ -25,11 +25,13 @@ from localctx.kvcache import cost
 from localctx.kvcache.errors import RuntimeFailure
 
 MAX_SEQUENCES = 64
-_CTX_ROUND = 256
+CONTEXT_PAD = 256  # llama.cpp's minimum padding of a context's cells: contexts here are multiples of it
 
 
 @dataclass
-class _Sequence:
+class DecodeSequence:
+    """One sequence in a BatchDecoder's context: its prompt, its sampler chain, and its tokens
+    sampled but not yet streamed (``pending``) or not yet decoded into its cells (``to_feed``)."""
     index: int  # position in the caller's prompt list
     seq_id: int
     prompt: list[int]
@@ -40,7 +42,9 @@ class _Sequence:
     finished: bool = False
 
 
-def _sampler(params: GenerationParams):
+def sampler_chain(params: GenerationParams):
+    """A llama.cpp sampler chain for ``params``: greedy at temperature 0, else top-k, top-p,
+    temperature and a seeded draw. Its owner frees it (``llama_sampler_free``)."""
     import llama_cpp
 
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
@@ -89,11 +93,11 @@ class BatchDecoder:
             raise RuntimeFailure(f"llama.cpp could not open a {n_seqs}-sequence context of {n_ctx} tokens")
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self.seqs: list[_Sequence] = []
+        self.seqs: list[DecodeSequence] = []
         self.prefilled = False
         self.captured: list | None = None  # (caller index, logits) per sampled position, when a check asks
 
-    def _capture(self, seq: _Sequence, j: int) -> None:
+    def _capture(self, seq: DecodeSequence, j: int) -> None:
         import numpy as np
 
         n_vocab = self.llama_cpp.llama_vocab_n_tokens(self.llama_cpp.llama_model_get_vocab(self.model))
@@ -110,7 +114,7 @@ class BatchDecoder:
             self.llama_cpp.llama_free(self.ctx)
             self.ctx = None
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: DecodeSequence) -> None:
         if not seq.finished:
             seq.finished = True
             if self.ctx:
@@ -120,7 +124,13 @@ class BatchDecoder:
             seq.sampler = None
 
     # -- decoding ------------------------------------------------------------------
-    def _decode(self, entries: list[tuple[_Sequence, int, int, bool]]) -> None:
+    def decode(self, entries: list[tuple[DecodeSequence, int, int, bool]]) -> None:
+        """Decodes ``entries`` (sequence, token, position, logits wanted) in slices of ``n_batch``;
+        each sequence whose logits were wanted samples its next token (``pending``, ``to_feed``)."""
+        for start in range(0, len(entries), self.n_batch):
+            self._decode_slice(entries[start:start + self.n_batch])
+
+    def _decode_slice(self, entries: list[tuple[DecodeSequence, int, int, bool]]) -> None:
         b = self.batch
         for j, (seq, token, pos, want_logits) in enumerate(entries):
             b.token[j] = token
@@ -145,14 +155,9 @@ class BatchDecoder:
         entries: list = []
         for seq in self.seqs:
             last = len(seq.prompt) - 1
-            for pos, token in enumerate(seq.prompt):
-                entries.append((seq, token, pos, pos == last))
-                if len(entries) == self.n_batch:
-                    self._decode(entries)
-                    entries = []
+            entries += [(seq, token, pos, pos == last) for pos, token in enumerate(seq.prompt)]
             seq.n_past = len(seq.prompt)
-        if entries:
-            self._decode(entries)
+        self.decode(entries)
 
     def _step(self) -> None:
         """One decode step: the last sampled token of every live sequence that needs a new one."""
@@ -162,10 +167,9 @@ class BatchDecoder:
                 entries.append((seq, seq.to_feed, seq.n_past, True))
                 seq.n_past += 1
                 seq.to_feed = None
-        for start in range(0, len(entries), self.n_batch):
-            self._decode(entries[start:start + self.n_batch])
+        self.decode(entries)
 
-    def tokens(self, seq: _Sequence) -> Iterator[int]:
+    def tokens(self, seq: DecodeSequence) -> Iterator[int]:
         try:
             while True:
                 if not self.prefilled:
@@ -179,15 +183,15 @@ class BatchDecoder:
             self._release(seq)
 
 
-def _groups(lengths: list[int], max_tokens: int, n_ctx: int) -> list[list[int]]:
+def prompt_groups(lengths: list[int], max_tokens: int, n_ctx: int) -> list[list[int]]:
     """Prompts grouped in order so that each group fits one context: every sequence gets a KV
-    stream as large as the group's longest prompt plus answer (``_stream_cells``)."""
+    stream as large as the group's longest prompt plus answer (``stream_cells``)."""
     groups: list[list[int]] = []
     longest = 0
     for i, n in enumerate(lengths):
         need = n + max_tokens
         if groups and len(groups[-1]) < MAX_SEQUENCES and \
-                (len(groups[-1]) + 1) * _stream_cells(max(longest, need)) <= n_ctx:
+                (len(groups[-1]) + 1) * stream_cells(max(longest, need)) <= n_ctx:
             groups[-1].append(i)
             longest = max(longest, need)
         else:
@@ -196,8 +200,9 @@ def _groups(lengths: list[int], max_tokens: int, n_ctx: int) -> list[list[int]]:
     return groups
 
 
-def _stream_cells(need: int) -> int:
-    return -(-need // _CTX_ROUND) * _CTX_ROUND
+def stream_cells(need: int) -> int:
+    """The cells of a KV stream that holds ``need`` tokens: ``need`` rounded up to CONTEXT_PAD."""
+    return -(-need // CONTEXT_PAD) * CONTEXT_PAD
 
 
 def generate_batch(session, prompts: Sequence[Prompt], params: GenerationParams,
@@ -207,8 +212,8 @@ def generate_batch(session, prompts: Sequence[Prompt], params: GenerationParams,
     for tokens in ids:
         check_prompt_fits(len(tokens), session.plan, session.spec, params.max_tokens)
     budget = session.plan.context
-    for group in _groups([len(t) for t in ids], params.max_tokens, budget):
-        cells = _stream_cells(max(len(ids[i]) + params.max_tokens for i in group))
+    for group in prompt_groups([len(t) for t in ids], params.max_tokens, budget):
+        cells = stream_cells(max(len(ids[i]) + params.max_tokens for i in group))
         n_ctx = len(group) * cells if len(group) > 1 else min(budget, cells)
         decoder = BatchDecoder(session.llm, n_ctx, len(group), n_batch=session.llm.n_batch)
         try:
@@ -221,7 +226,7 @@ def _run_group(session, decoder: BatchDecoder, items, params, cancel) -> Iterato
     policy = session.plan.policy
     streams = {}
     for seq_id, (index, tokens) in enumerate(items):
-        seq = _Sequence(index=index, seq_id=seq_id, prompt=tokens, sampler=_sampler(params))
+        seq = DecodeSequence(index=index, seq_id=seq_id, prompt=tokens, sampler=sampler_chain(params))
         decoder.seqs.append(seq)
         clock = StatsClock(backend="llamacpp", policy=str(policy), prompt_tokens=len(tokens))
 
@@ -230,7 +235,7 @@ def _run_group(session, decoder: BatchDecoder, items, params, cancel) -> Iterato
             return cost.kv_bytes(session.spec, policy, n), n, 0
 
         streams[index] = stream(decoder.tokens(seq), token_bytes=lambda t: session.llm.detokenize([t], special=False),
-                                eos=session._eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)
+                                eos=session.eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)
     live = list(streams)
     while live:
         for index in list(live):

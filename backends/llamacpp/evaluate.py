@@ -47,7 +47,7 @@ class LlamaCppTokenizer:
     def __init__(self, ref: ModelRef):
         from llama_cpp import Llama
 
-        from localctx.backends.llamacpp.session import _quiet_llama_log, load_failure_reason, quiet_stderr
+        from localctx.backends.llamacpp.session import load_failure_reason, quiet_stderr, set_llama_log
 
         log: list[str] = []
         try:
@@ -57,7 +57,7 @@ class LlamaCppTokenizer:
             raise UserError(f"llama.cpp cannot read {ref.path.name}'s vocabulary ({load_failure_reason(log)}); "
                             "use a GGUF of an architecture this llama-cpp-python supports") from None
         finally:
-            _quiet_llama_log()
+            set_llama_log(False)
 
     def encode(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)

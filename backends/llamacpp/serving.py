@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
 from localctx.backends.llamacpp import shift
 from localctx.backends.llamacpp.allocation import held_bytes
-from localctx.backends.llamacpp.batch import _CTX_ROUND, BatchDecoder, KVTypes, _Sequence, _sampler
+from localctx.backends.llamacpp.batch import CONTEXT_PAD, BatchDecoder, DecodeSequence, KVTypes, sampler_chain
 from localctx.backends.llamacpp.cache_reuse import move_runs, plan_moves
-from localctx.backends.generation.slots import Slot, choose_slot, common_prefix
+from localctx.backends.generation.slots import Slot, SlotStreams, choose_slot, common_prefix
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.kvcache.errors import UserError
 
@@ -34,11 +33,11 @@ from localctx.kvcache.errors import UserError
 @dataclass
 class LiveStream:
     slot: Slot
-    seq: _Sequence
+    seq: DecodeSequence
     events: Iterator[GenerationEvent] | None = None
 
 
-OWN_CONTEXT = _CTX_ROUND  # cells of the session's own context beside the slots' (llama.cpp's minimum pad)
+OWN_CONTEXT = CONTEXT_PAD  # cells of the session's own context beside the slots' (llama.cpp's minimum pad)
 
 
 def open_slots(ref, plan, n_slots: int, cache_reuse: int = 0) -> "LlamaSlots":
@@ -53,39 +52,26 @@ def open_slots(ref, plan, n_slots: int, cache_reuse: int = 0) -> "LlamaSlots":
     return LlamaSlots(session, n_slots, cache_reuse)
 
 
-class LlamaSlots:
+class LlamaSlots(SlotStreams):
+    live: list[LiveStream]
+
     def __init__(self, session, n_slots: int, cache_reuse: int = 0, plan=None):
         """``cache_reuse``: move cached runs of at least this many tokens into place (0: off).
         ``plan``: the slots' KV policy and context when not the session's (serve's per-request
         lanes, app/serve/lanes.py): a context of its own on the same weights, with its K and V types."""
         self.cache_reuse = cache_reuse
-        self.session = session
         self.plan = plan or session.plan
         self.settings = shift.settings_for(self.plan, shift.local_calibration())
-        per_slot = self.plan.context // n_slots // _CTX_ROUND * _CTX_ROUND
-        if per_slot < _CTX_ROUND:
+        per_slot = self.plan.context // n_slots // CONTEXT_PAD * CONTEXT_PAD
+        if per_slot < CONTEXT_PAD:
             raise UserError(f"--context {self.plan.context:,} split over --parallel {n_slots} leaves less than "
-                            f"{_CTX_ROUND} tokens a slot; give a larger --context or a smaller --parallel")
+                            f"{CONTEXT_PAD} tokens a slot; give a larger --context or a smaller --parallel")
         self.per_slot = per_slot
+        super().__init__(session, [Slot(i) for i in range(n_slots)])
         self.decoder = BatchDecoder(session.llm, per_slot * n_slots, n_slots, n_batch=session.llm.n_batch,
                                     kv=KVTypes(*self.settings.type_ids(), self.settings.flash_attn))
         self.decoder.prefilled = True  # prompts are prefilled here, one at a time as they arrive
         self.llama_cpp = self.decoder.llama_cpp
-        self.slots = [Slot(i) for i in range(n_slots)]
-        self.live: list[LiveStream] = []
-        self.widest = 0
-
-    @property
-    def batching(self) -> bool:
-        return True
-
-    @property
-    def active(self) -> int:
-        return len(self.live)
-
-    @property
-    def capacity(self) -> int:
-        return len(self.slots)
 
     def _reusable(self, slot: Slot, ids: list[int]) -> tuple[int, list]:
         """(common prefix, runs that chunk reuse would move) of ``slot`` for ``ids``."""
@@ -130,7 +116,8 @@ class LlamaSlots:
         reused = min(shared, len(ids) - 1)  # at least one token is decoded, for the logits
         self._forget(slot, reused)
         slot.busy = True
-        seq = _Sequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=_sampler(params), n_past=reused)
+        seq = DecodeSequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=sampler_chain(params),
+                             n_past=reused)
         live = LiveStream(slot, seq)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=reused, shifted_tokens=sum(m.n for m in moves))
@@ -139,23 +126,18 @@ class LlamaSlots:
             return held_bytes(s.spec, self.settings.type_k, self.settings.type_v, seq.n_past), seq.n_past, 0
 
         live.events = stream(self._tokens(live), token_bytes=lambda t: s.llm.detokenize([t], special=False),
-                             eos=s._eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)
+                             eos=s.eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)
         self.live.append(live)
-        try:
+        with self._end_on_error([live]):
             first = next(live.events)
-        except BaseException:
-            self._end(live, failed=True)
-            raise
         if first.kind == "done":
             self._end(live)
         return live, first
 
     def _tokens(self, live: LiveStream) -> Iterator[int]:
-        seq, slot, n_batch = live.seq, live.slot, self.decoder.n_batch
+        seq, slot = live.seq, live.slot
         last = len(seq.prompt) - 1
-        entries = [(seq, tok, pos, pos == last) for pos, tok in enumerate(seq.prompt) if pos >= seq.n_past]
-        for start in range(0, len(entries), n_batch):
-            self.decoder._decode(entries[start:start + n_batch])
+        self.decoder.decode([(seq, tok, pos, pos == last) for pos, tok in enumerate(seq.prompt) if pos >= seq.n_past])
         slot.history.extend(seq.prompt[seq.n_past:])
         seq.n_past = len(seq.prompt)
         while seq.pending:
@@ -172,41 +154,21 @@ class LlamaSlots:
             s.slot.history.append(s.seq.to_feed)
             s.seq.n_past += 1
             s.seq.to_feed = None
-        try:
-            for start in range(0, len(entries), self.decoder.n_batch):
-                self.decoder._decode(entries[start:start + self.decoder.n_batch])
-        except BaseException:
-            for s in live:
-                self._end(s, failed=True)
-            raise
-        out = []
-        for s in live:
-            event = next(s.events)
-            out.append((s, event))
-            if event.kind == "done":
-                self._end(s)
-        return out
+        with self._end_on_error(live):
+            self.decoder.decode(entries)
+        return self._next_events(live)
 
-    def _end(self, live: LiveStream, failed: bool = False) -> None:
-        if live in self.live:
-            self.live.remove(live)
-        if live.events is not None:
-            live.events.close()
-        seq, slot = live.seq, live.slot
+    def _free(self, live: LiveStream) -> None:
+        seq = live.seq
         seq.to_feed = None
         seq.pending.clear()
         if seq.sampler is not None:
             self.llama_cpp.llama_sampler_free(seq.sampler)
             seq.sampler = None
-        slot.busy = False
-        slot.last_used = time.monotonic()
-        if failed or seq.n_past != len(slot.history):
-            self._forget(slot)  # cells and history out of step: forget the conversation
 
-    def cancel_all(self) -> None:
-        for s in list(self.live):
-            self._end(s, failed=True)
+    def _in_step(self, live: LiveStream) -> bool:
+        return live.seq.n_past == len(live.slot.history)
 
     def close(self) -> None:
-        self.cancel_all()
+        super().close()
         self.decoder.close()

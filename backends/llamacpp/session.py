@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import functools
 import io
+import logging
 import os
 import sys
 import tempfile
@@ -69,11 +70,10 @@ def quiet_stderr(log: list[str] | None = None):
                 log.extend(py_sink.getvalue().splitlines())
 
 
-def _quiet_llama_log() -> None:
-    """llama-cpp-python's log callback back to errors only (a verbose load turned it up)."""
-    from llama_cpp import _logger
-
-    _logger.set_verbose(False)
+def set_llama_log(verbose: bool) -> None:
+    """llama-cpp-python's log callback (it prints llama.cpp's log to stderr) up to every line, or back
+    to errors only (a verbose load turned it up): the level of its logger, as ``Llama(verbose=...)`` sets it."""
+    logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
 
 
 def load_failure_reason(log: list[str]) -> str:
@@ -101,7 +101,7 @@ def ggml_row_size(type_id: int, n_elements: int) -> int:
     return int(_ggml_base().ggml_row_size(type_id, n_elements))
 
 
-class _EndOfGeneration:
+class EndOfGeneration:
     """Set-like membership test for llama.cpp's end-of-generation tokens (EOS, EOT, ...)."""
 
     def __init__(self, llm):
@@ -139,16 +139,16 @@ class LlamaCppSession(Session):
                                  type_v=type_v, flash_attn=self.settings.flash_attn,
                                  swa_full=self.settings.swa_full, verbose=True)  # the log, into ``log``
             self.llm.verbose = False  # no per-call chatter from here on
-            _quiet_llama_log()
+            set_llama_log(False)
         except (ValueError, RuntimeError):
-            _quiet_llama_log()
+            set_llama_log(False)
             raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
                             "architecture this llama-cpp-python supports, or update it") from None
         meta = self.llm.metadata
         source = meta.get("tokenizer.chat_template")
         self.template = ChatTemplate(gguf_template_source(source), bos_token=self._piece(self.llm.token_bos()),
                                      eos_token=self._piece(self.llm.token_eos()))
-        self._eog = _EndOfGeneration(self.llm)
+        self.eog = EndOfGeneration(self.llm)  # ``token in session.eog``: the model's end-of-generation tokens
         self._shift = shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
         self._chunks: cache_reuse.ChunkReuse | None = None  # opt-in: enable_cache_reuse()
@@ -324,7 +324,7 @@ class LlamaCppSession(Session):
         drafted = clock.speculate == "ngram"
         source = self._drafted_tokens(ids, params, clock) if drafted else self._tokens(ids, params, clock)
         yield from stream(source,
-                          token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self._eog,
+                          token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self.eog,
                           params=params, clock=clock, probe=KVProbe(self.kv_state), cancel=cancel)
 
     def generate_batch(self, prompts, params: GenerationParams = GenerationParams(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -60,7 +59,7 @@ class _Spread:
         self.workers: list[threading.Thread] = []
 
     def start(self) -> None:
-        for endpoint in self.session._alive():
+        for endpoint in self.session.alive():
             n = max(1, min(endpoint.free_slots() or 1, endpoint.slots, self.open))
             for k in range(n):
                 t = threading.Thread(target=self._work, args=(endpoint,), daemon=True,
@@ -97,7 +96,7 @@ class _Spread:
                 f"request {task.index + 1} failed {task.attempts} times; last: {exc}"), endpoint=endpoint.url))
             return
         self.tasks.put(task)  # back in the shared queue: any live endpoint may take it
-        if not self.session._alive():
+        if not self.session.alive():
             self.results.put(_Result(-1, error=RuntimeFailure(
                 "every endpoint failed: " + ", ".join(e.url for e in self.session.endpoints) + f"; last: {exc}")))
             return
@@ -125,14 +124,10 @@ class _Spread:
             self.stop.set()
 
     def _answer(self, result: _Result) -> Iterator[tuple[int, GenerationEvent]]:
-        from localctx.backends.openai.session import _Clock
-
         answer = result.answer or {}
         choice = (answer.get("choices") or [{}])[0]
         text = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
-        clock = _Clock()
-        clock.first = clock.last = time.perf_counter()
-        stats = self.session.stats(answer.get("usage"), answer.get("localctx"), clock)
+        stats = self.session.whole_answer_stats(answer.get("usage"), answer.get("localctx"))
         if text:
             yield result.index, GenerationEvent("token", stats, text=text)
         yield result.index, GenerationEvent("done", stats, finish_reason=choice.get("finish_reason") or "stop")

@@ -176,7 +176,7 @@ class RemoteSession(Session):
     def count_tokens(self, prompt: Prompt) -> int:
         if self.is_localctx:
             body = {"prompt": prompt} if isinstance(prompt, str) else {"messages": list(prompt)}
-            for endpoint in self._alive():
+            for endpoint in self.alive():
                 try:
                     return int(endpoint.client.post("/localctx/count_tokens", body, timeout=30.0)["count"])
                 except EndpointDown:
@@ -187,7 +187,8 @@ class RemoteSession(Session):
         text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
         return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN_FLOOR) + (0 if isinstance(prompt, str) else 8 * len(prompt))
 
-    def _alive(self) -> list[Endpoint]:
+    def alive(self) -> list[Endpoint]:
+        """The endpoints not marked dead, in the order they were given."""
         return [e for e in self.endpoints if not e.dead]
 
     def body(self, prompt: Prompt, params: GenerationParams, stream: bool) -> tuple[str, dict]:
@@ -222,12 +223,18 @@ class RemoteSession(Session):
             kv_bytes=int(ext.get("kv_bytes", 0)), kv_tokens=int(ext.get("kv_tokens", 0)),
             evicted_tokens=int(ext.get("evicted_tokens", 0)))
 
+    def whole_answer_stats(self, usage: dict | None, ext: dict | None) -> GenerationStats:
+        """The stats of an answer that came back whole (not streamed): its text arrived at once, now."""
+        clock = _Clock()
+        clock.first = clock.last = time.perf_counter()
+        return self.stats(usage, ext, clock)
+
     # -- generation -------------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         path, body = self.body(prompt, params, stream=True)
         errors = []
-        for endpoint in self._alive():
+        for endpoint in self.alive():
             clock = _Clock()
             try:
                 yield from self._stream(endpoint, path, body, clock, cancel)
@@ -272,7 +279,7 @@ class RemoteSession(Session):
 
     @property
     def total_slots(self) -> int:
-        return sum(e.slots for e in self._alive())
+        return sum(e.slots for e in self.alive())
 
 
 def open_remote(req: RemoteRequest) -> RemoteSession:

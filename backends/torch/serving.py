@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
-from localctx.backends.generation.slots import Slot, choose_slot
+from localctx.backends.generation.slots import Slot, SlotStreams, choose_slot
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.backends.torch.sampling import Sampler
@@ -44,35 +44,23 @@ class LiveStream:
     pending: int = -1  # sampled, not yet decoded into the cache
 
 
-class SlotBatcher:
+class SlotBatcher(SlotStreams):
     """``start`` a request (its slot and memory; the first event comes from the next ``step``) or
     get None when it must wait; ``step`` prefills the streams that joined since the last one, all
     together, decodes every other live stream once, and returns each one's next event."""
 
+    session: "TorchSession"
+    live: list[LiveStream]
+
     def __init__(self, session: "TorchSession", n_slots: int):
-        self.session = session
+        super().__init__(session, [Slot(FIRST_SLOT_ID + i) for i in range(n_slots)])
         self.engine = session.engine
         self.cache = session.engine.cache
         self.pool = self.cache.pool
         session.reset()  # the session's own conversation would hold blocks the slots need
-        self.slots = [Slot(FIRST_SLOT_ID + i) for i in range(n_slots)]
-        self.live: list[LiveStream] = []
-        self.widest = 0  # most streams decoded in one step so far
         self._waiting_prompt: Prompt | None = None
         self._waiting_ids: list[int] = []
-        self._lock = session._lock  # the session's own generate/generate_batch must not run meanwhile
-
-    @property
-    def batching(self) -> bool:
-        return True
-
-    @property
-    def active(self) -> int:
-        return len(self.live)
-
-    @property
-    def capacity(self) -> int:
-        return len(self.slots)
+        self._lock = session.engine_lock  # the session's own generate/generate_batch must not run meanwhile
 
     # -- memory ----------------------------------------------------------------------------
     def _held_blocks(self, n_tokens: int) -> int:
@@ -84,13 +72,14 @@ class SlotBatcher:
     def _slot_blocks(self, slot: Slot) -> int:
         return len(self.pool.block_table(slot.seq_id)) if self.cache.has(slot.seq_id) else 0
 
-    def _drop(self, slot: Slot) -> None:
+    def _forget(self, slot: Slot) -> None:
         if self.cache.has(slot.seq_id):
             self.cache.finish(slot.seq_id)
         slot.history = []
 
-    def kv_bytes(self) -> int:
-        return self.cache.kv_bytes()
+    def _in_step(self, live: LiveStream) -> bool:
+        seq_id = live.slot.seq_id
+        return self.cache.has(seq_id) and self.cache.length(seq_id) == len(live.slot.history)
 
     # -- admission -------------------------------------------------------------------------
     def start(self, prompt: Prompt, params: GenerationParams,
@@ -114,7 +103,7 @@ class SlotBatcher:
         while committed + held_idle + worst > self.pool.n_blocks and idle:
             victim = idle.pop(0)  # least recently used conversation goes first
             held_idle -= self._slot_blocks(victim)
-            self._drop(victim)
+            self._forget(victim)
         if committed + held_idle + worst > self.pool.n_blocks:
             return None  # waits until a live stream finishes
         with self._lock:
@@ -168,17 +157,6 @@ class SlotBatcher:
             s.events = stream(self._tokens(s), token_bytes=tok.token_bytes, eos=tok.eos_ids, params=s.params,
                               clock=clock, probe=self._probe(s.slot.seq_id), cancel=s.cancel, started=started)
 
-    def _end(self, live: LiveStream, failed: bool = False) -> None:
-        if live in self.live:
-            self.live.remove(live)
-        if live.events is not None:
-            live.events.close()
-        slot = live.slot
-        slot.busy = False
-        slot.last_used = time.monotonic()
-        if failed or not self.cache.has(slot.seq_id) or self.cache.length(slot.seq_id) != len(slot.history):
-            self._drop(slot)  # cache and history out of step: forget the conversation
-
     # -- decoding --------------------------------------------------------------------------
     def step(self) -> list[tuple[LiveStream, GenerationEvent]]:
         if not self.live:
@@ -188,29 +166,12 @@ class SlotBatcher:
         decoding = [s for s in live if s.events is not None]
         self.widest = max(self.widest, len(decoding))
         with self._lock:
-            try:
+            with self._end_on_error(live):
                 if joining:
                     self._prefill(joining)
                 if decoding:
                     logits = self.engine.decode([s.slot.seq_id for s in decoding], [s.pending for s in decoding])
-            except BaseException:
-                for s in live:
-                    self._end(s, failed=True)
-                raise
             for s, row in zip(decoding, logits if decoding else []):
                 s.slot.history.append(s.pending)
                 s.pending = s.sampler.sample(row)
-        out = []  # the joining streams' first events, the others' next ones
-        for s in live:
-            event = next(s.events)
-            out.append((s, event))
-            if event.kind == "done":
-                self._end(s)
-        return out
-
-    def cancel_all(self) -> None:
-        for s in list(self.live):
-            self._end(s, failed=True)
-
-    def close(self) -> None:
-        self.cancel_all()
+        return self._next_events(live)  # the joining streams' first events, the others' next ones

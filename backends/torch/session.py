@@ -36,7 +36,7 @@ class TorchSession(Session):
 
     def __init__(self, engine: Engine, tokenizer: TextTokenizer, spec: ModelSpec, plan: Plan, options=None):
         """``options``: the TorchOptions it was built with (serve builds sessions with other KV
-        policies on the same model with them: app/serve/streams.TorchLanes)."""
+        policies on the same model with them: app/serve/lane_makers.TorchLanes)."""
         self.engine = engine
         self.options = options
         self.tokenizer = tokenizer
@@ -44,7 +44,7 @@ class TorchSession(Session):
         self.plan = plan
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text)
         self.history: list[int] = []  # tokens held in the conversation's cache, oldest first
-        self._lock = threading.Lock()
+        self.engine_lock = threading.Lock()  # held while the engine runs (serving.SlotBatcher holds it too)
 
     # -- prompts --------------------------------------------------------------------------
     def render(self, prompt: Prompt) -> str:
@@ -155,14 +155,14 @@ class TorchSession(Session):
             return logits
 
         def drafted_tokens() -> Iterator[int]:
-            with self._lock:
+            with self.engine_lock:
                 first = prefill().float().cpu().numpy()
                 limit = None if self.plan.policy.evicts else self.plan.context
                 verifier = TorchVerifier(self.engine, CONVERSATION, self.history, limit)
                 yield from speculation.speculative_tokens(verifier, ids, first, params, clock)
 
         def tokens() -> Iterator[int]:
-            with self._lock:
+            with self.engine_lock:
                 logits = prefill()
                 while True:
                     tok = sampler.sample(logits)
@@ -181,5 +181,5 @@ class TorchSession(Session):
         if not prompts:
             raise UserError("generate_batch needs at least one prompt")
         self.reset()  # the batch needs the pool; the conversation is forgotten, as the contract says
-        with self._lock:
+        with self.engine_lock:
             yield from BatchRun(self, prompts, params, cancel).events()

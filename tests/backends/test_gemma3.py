@@ -201,15 +201,17 @@ def _hf_folder(tmp_path, tensors):
     from safetensors.numpy import save_file
 
     import gemma3_tiny as g
-    from localctx.backends.torch.gemma3 import _HF_LAYER, _HF_TOP, is_norm
+    from localctx.backends.torch.gemma3 import hf_name, is_norm
 
-    back = {v: k for k, v in _HF_LAYER.items()}
-    top = {v: k for k, v in _HF_TOP.items()}
-    out = {}
-    for name, value in tensors.items():
-        parts = name.split(".")
-        hf = f"model.layers.{parts[1]}.{back[parts[2]]}.weight" if parts[0] == "blk" else f"{top[parts[0]]}.weight"
-        out[hf] = value - 1.0 if is_norm(name) else value
+    # the names transformers' Gemma3ForCausalLM writes (tied embeddings: no lm_head)
+    per_layer = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    names += [f"model.layers.{i}.{t}.weight" for i in range(g.N_LAYERS) for t in per_layer]
+    hf = {hf_name(n): n for n in names}
+    assert len(hf) == len(names) and set(hf) == set(tensors)  # each HF name reads one of the model's tensors
+    out = {hf[name]: value - 1.0 if is_norm(name) else value for name, value in tensors.items()}
     save_file(out, str(tmp_path / "model.safetensors"))
     config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": g.HIDDEN,
               "num_hidden_layers": g.N_LAYERS, "num_attention_heads": g.N_HEADS, "num_key_value_heads": g.N_KV,

@@ -105,10 +105,10 @@ def test_quantized_groups_are_read_through_a_group_table():
     seg = launch.QuantSegment(pool.k_codes, pool.k_scale, pool.k_min, pool.v_codes, pool.v_scale, pool.v_min,
                               group_table=order.to(torch.int32)[None], positions=groups.positions[None],
                               n_groups=torch.tensor([3], dtype=torch.int32), bits=bits, group_size=g)
-    from localctx.kernels_cuda.quant_attention import _full_segment
+    from localctx.kernels_cuda.quant_attention import full_segment
 
     qr = rope.rotate(q[None], q_pos[None])
-    out, _ = launch.run_attention(launch.Queries(qr, q_pos[None]), _full_segment(full, q.dtype), seg,
+    out, _ = launch.run_attention(launch.Queries(qr, q_pos[None]), full_segment(full, q.dtype), seg,
                                   inv_freq=rope.inv_freq, scale=D ** -0.5, config=launch.LaunchConfig(splits=2))
     torch.testing.assert_close(out[0], attend_ref(q, q_pos, full, groups, rope).out, atol=ATOL, rtol=1e-3)
 

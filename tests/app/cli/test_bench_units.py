@@ -6,7 +6,7 @@ import pytest
 from localctx.app.bench import goals
 from localctx.app.bench.measure import Sample
 from localctx.app.bench.prompt import fit_text
-from localctx.app.bench.results import _paired_ratio, headline, summary
+from localctx.app.bench.results import paired_ratio, headline, summary
 from localctx.app.bench.schedule import over_budget, schedule
 from localctx.app.bench.settings import BenchSettings, Series, parse_contexts, policies_from
 from localctx.kvcache.errors import UserError
@@ -71,9 +71,9 @@ def test_summary_and_spread():
 def test_paired_ratio_uses_run_by_run_ratios():
     mine = [Sample(decode_tok_s=x) for x in (10.0, 20.0, 30.0)]
     base = [Sample(decode_tok_s=x) for x in (20.0, 20.0, 60.0)]
-    assert _paired_ratio(mine, base, "decode_tok_s") == pytest.approx(0.5)  # median of (0.5, 1.0, 0.5)
-    assert _paired_ratio(mine, base[:2], "decode_tok_s") == pytest.approx(20.0 / 20.0)  # medians when unpaired
-    assert _paired_ratio(mine, [], "decode_tok_s") is None
+    assert paired_ratio(mine, base, "decode_tok_s") == pytest.approx(0.5)  # median of (0.5, 1.0, 0.5)
+    assert paired_ratio(mine, base[:2], "decode_tok_s") == pytest.approx(20.0 / 20.0)  # medians when unpaired
+    assert paired_ratio(mine, [], "decode_tok_s") is None
 
 
 def _entry(backend: str, policy: str, decode: dict[int, float], baseline: bool = False) -> dict:

@@ -39,7 +39,7 @@ def single_logits(session, tokens):
 # a wrong position or sequence id would change the ranking altogether.
 @pytest.mark.parametrize("n_batch", [512, 8])  # whole prompts per slice, and prompts cut across slices
 def test_batched_logits_match_one_sequence_at_a_time(session, n_batch, tolerance=5e-2):
-    from localctx.backends.llamacpp.batch import BatchDecoder, _Sequence, _sampler
+    from localctx.backends.llamacpp.batch import BatchDecoder, DecodeSequence, sampler_chain
     prompts = ["The capital of France is", "Colours of the rainbow: red, orange,", "def fib(n):\n    return"]
     ids = [session.tokenize(p) for p in prompts]
     assert len({len(t) for t in ids}) == 3  # different lengths: positions must be per sequence
@@ -47,7 +47,7 @@ def test_batched_logits_match_one_sequence_at_a_time(session, n_batch, tolerance
     decoder.captured = []
     params = GenerationParams(max_tokens=4)
     for k, tokens in enumerate(ids):
-        decoder.seqs.append(_Sequence(index=k, seq_id=k, prompt=tokens, sampler=_sampler(params)))
+        decoder.seqs.append(DecodeSequence(index=k, seq_id=k, prompt=tokens, sampler=sampler_chain(params)))
     gens = [decoder.tokens(seq) for seq in decoder.seqs]
     try:
         produced = [[next(g)] for g in gens]

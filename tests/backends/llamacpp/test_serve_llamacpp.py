@@ -7,6 +7,7 @@ import pytest
 
 from localctx.app.session_options import SessionRequest, open_session
 from localctx.backends.base import GenerationParams
+from localctx.backends.generation.stream_source import StreamSource
 from localctx.backends.llamacpp.serving import LlamaSlots
 from localctx.kvcache.errors import UserError
 
@@ -65,19 +66,25 @@ def test_streams_decoded_together_start_as_one_at_a_time_and_keep_their_slots(se
 
 
 def test_a_server_holds_the_plans_kv_once_in_its_slots_not_again_in_the_session():
-    from localctx.backends.generation.stream_source import open_streams
+    from localctx.app.serve.streams import open_streams
     from localctx.app.session_options import plan_session
     from localctx.backends.llamacpp.serving import OWN_CONTEXT
 
     planned = plan_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=2048))
     session, slots = open_streams(planned, 4)
     try:
-        assert isinstance(slots, LlamaSlots)
+        assert isinstance(slots, LlamaSlots) and isinstance(slots, StreamSource)
+        assert (slots.batching, slots.capacity, slots.active) == (True, 4, 0)
         assert session.llm.n_ctx() == OWN_CONTEXT < planned.plan.context  # the session's own context is minimal
         assert slots.per_slot * 4 == 2048  # all the plan's cells live in the slots' context
         started = slots.start(PROMPTS[0], GenerationParams(max_tokens=4), None)
         tokens, done = drain(slots, [started])[id(started[0])]
         assert tokens and done.finish_reason in ("stop", "length")
+        assert started[0].slot.history and not started[0].slot.busy  # a finished stream's slot keeps its cells
+        live = [slots.start(p, GenerationParams(max_tokens=8, ignore_eos=True), None) for p in PROMPTS[1:]]
+        assert slots.active == 2 and all(s.seq.sampler is not None for s, _ in live)
+        slots.cancel_all()  # ends them: their samplers freed, their slots forgotten
+        assert slots.active == 0 and all(s.seq.sampler is None and not s.slot.history for s, _ in live)
     finally:
         slots.close()
         session.close()
@@ -88,7 +95,7 @@ def test_a_lane_of_another_policy_is_a_context_on_the_same_weights_with_its_kv_t
     loaded llama_model, with q8_0 keys and values for int8, counted at llama.cpp's row sizes."""
     import dataclasses
 
-    from localctx.backends.generation.stream_source import LlamaCppLanes
+    from localctx.app.serve.lane_makers import LlamaCppLanes
     from localctx.backends.llamacpp.allocation import held_bytes
     from localctx.kvcache.policy import KVPolicy
 

@@ -48,7 +48,7 @@ def write_tiny_folder(path, config):
     return folder
 
 
-def _session(folder, kv="fp16", context=None):
+def tiny_session(folder, kv="fp16", context=None):
     ref = ModelRef("hf", folder, "tiny", "folder")
     spec = hf_spec(folder)
     return MLXBackend().load(ref, Plan.fixed("mlx", spec, KVPolicy.parse(kv), context)), spec
@@ -69,7 +69,7 @@ def test_registry_finds_the_mlx_backend():
 
 @pytest.mark.parametrize("kv", ["fp16", "int4+res8", "int8+sink2+win20+heavy4"])
 def test_generation_streams_and_reports_exact_kv_bytes(tiny_folder, kv):
-    session, spec = _session(tiny_folder, kv)
+    session, spec = tiny_session(tiny_folder, kv)
     events = _events(session, [{"role": "user", "content": "the cache keeps sinks " * 6}], max_tokens=8)
     done = events[-1]
     assert done.kind == "done" and all(e.kind == "token" for e in events[:-1])
@@ -82,20 +82,20 @@ def test_generation_streams_and_reports_exact_kv_bytes(tiny_folder, kv):
 
 @pytest.mark.parametrize("kv", ["fp16", "int8+res8"])
 def test_follow_up_reuses_the_cached_prefix_and_matches_a_fresh_run(tiny_folder, kv):
-    session, _ = _session(tiny_folder, kv)
+    session, _ = tiny_session(tiny_folder, kv)
     first = "the cache keeps sinks"
     _events(session, first)
     longer = first + " and a window"
     events = _events(session, longer)
     assert events[-1].stats.cached_tokens > 0
-    fresh, spec = _session(tiny_folder, kv)
+    fresh, spec = tiny_session(tiny_folder, kv)
     again = _events(fresh, longer)
     assert events[-1].stats.kv_bytes == again[-1].stats.kv_bytes
     assert [e.token for e in events] == [e.token for e in again]
 
 
 def test_rollback_is_refused_where_it_would_not_be_exact(tiny_folder):
-    session, _ = _session(tiny_folder, "fp16+sink2+win4")
+    session, _ = tiny_session(tiny_folder, "fp16+sink2+win4")
     _events(session, "the cache keeps sinks and a window", max_tokens=2)
     assert not session.cache.truncate(3)  # tokens were evicted: the prefix state is gone
     events = _events(session, "the cache keeps")
@@ -103,7 +103,7 @@ def test_rollback_is_refused_where_it_would_not_be_exact(tiny_folder):
 
 
 def test_same_prompt_twice_reuses_everything(tiny_folder):
-    session, _ = _session(tiny_folder)
+    session, _ = tiny_session(tiny_folder)
     a = _events(session, "the cache keeps", max_tokens=1)
     b = _events(session, "the cache keeps", max_tokens=1)
     assert b[-1].stats.cached_tokens == b[-1].stats.prompt_tokens
@@ -111,13 +111,13 @@ def test_same_prompt_twice_reuses_everything(tiny_folder):
 
 
 def test_seeded_sampling_is_reproducible(tiny_folder):
-    session, _ = _session(tiny_folder)
+    session, _ = tiny_session(tiny_folder)
     runs = [[e.token for e in _events(session, "the window", temperature=1.5, seed=7, top_k=20)] for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_cancel_stops_between_tokens(tiny_folder):
-    session, _ = _session(tiny_folder)
+    session, _ = tiny_session(tiny_folder)
     cancel = threading.Event()
     cancel.set()
     events = list(session.generate("the cache", GenerationParams(max_tokens=5), cancel))
@@ -125,20 +125,20 @@ def test_cancel_stops_between_tokens(tiny_folder):
 
 
 def test_windowed_policy_streams_past_the_context(tiny_folder):
-    session, _spec = _session(tiny_folder, "fp16+sink2+win8", context=16)
+    session, _spec = tiny_session(tiny_folder, "fp16+sink2+win8", context=16)
     events = _events(session, "the cache keeps sinks and a window of recent tokens " * 3, max_tokens=4)
     assert events[-1].stats.prompt_tokens > 16
     assert events[-1].stats.kv_tokens == 10
 
 
 def test_prompt_longer_than_an_exact_context_is_refused(tiny_folder):
-    session, _ = _session(tiny_folder, "fp16", context=16)
+    session, _ = tiny_session(tiny_folder, "fp16", context=16)
     with pytest.raises(UserError, match="context holds 16"):
         _events(session, "the cache keeps sinks and a window of recent tokens " * 3)
 
 
 def test_answer_is_capped_at_the_context_for_unbounded_caches(tiny_folder):
-    session, _ = _session(tiny_folder, "fp16", context=16)
+    session, _ = tiny_session(tiny_folder, "fp16", context=16)
     events = _events(session, "the cache", max_tokens=100)
     assert events[-1].stats.prompt_tokens + events[-1].stats.generated_tokens <= 16
 
@@ -149,7 +149,7 @@ def test_group_size_that_does_not_divide_the_head_is_refused(tiny_folder, tmp_pa
     reasons = MLXBackend().refusals(KVPolicy.parse("int4"), hf_spec(narrow))
     assert reasons and "head dim 16" in reasons[0]
     with pytest.raises(UserError, match="group size"):
-        _session(narrow, "int4")
+        tiny_session(narrow, "int4")
 
 
 def test_fake_model_is_refused_with_a_reason():

@@ -11,7 +11,7 @@ from localctx.backends.base import GenerationParams  # noqa: E402
 from localctx.kvcache import cost, prompt_cache  # noqa: E402
 from localctx.kvcache.prompt_cache import CHUNK  # noqa: E402
 
-from test_mlx_backend import TINY, _session, write_tiny_folder  # noqa: E402
+from test_mlx_backend import TINY, tiny_session, write_tiny_folder  # noqa: E402
 
 LONG = {**TINY, "max_position_embeddings": 2048}
 WORDS = "the cache keeps sinks and a window of recent tokens".split()
@@ -35,13 +35,13 @@ def test_an_edited_middle_message_reuses_the_prefix_before_it(long_folder):
              {"role": "user", "content": "the sinks"}]
     edited = [dict(t) for t in turns]
     edited[2]["content"] = "of a cache"
-    s, _ = _session(long_folder, "fp16")
+    s, _ = tiny_session(long_folder, "fp16")
     tokens_of(s, turns, n=2)
     old, new = s.tokenizer.encode(s.render(turns)), s.tokenizer.encode(s.render(edited))
     common = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
     again, stats = tokens_of(s, edited)
     assert stats.cached_tokens == common > 0
-    fresh, _ = _session(long_folder, "fp16")
+    fresh, _ = tiny_session(long_folder, "fp16")
     assert tokens_of(fresh, edited)[0] == again
 
 
@@ -55,15 +55,15 @@ def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_ru
     doc = document(700, seed=1)
     q1 = [{"role": "user", "content": doc + " the cache"}]
     q2 = [{"role": "user", "content": doc + " a window of"}]
-    cold, _ = _session(long_folder, kv)
+    cold, _ = tiny_session(long_folder, kv)
     want, _ = tokens_of(cold, q2)
-    first, spec = _session(long_folder, kv)
+    first, spec = tiny_session(long_folder, kv)
     assert first.enable_prompt_cache(long_folder / "model.safetensors") is None
     _, stats1 = tokens_of(first, q1, n=1)
     [entry] = prompt_cache.entries()
     n_file = int(entry.meta["n_tokens"])
     assert n_file == (stats1.prompt_tokens - 1) // CHUNK * CHUNK >= CHUNK
-    second, _ = _session(long_folder, kv)
+    second, _ = tiny_session(long_folder, kv)
     second.enable_prompt_cache(long_folder / "model.safetensors")
     got, stats2 = tokens_of(second, q2)
     assert stats2.loaded_tokens == stats2.cached_tokens == n_file
@@ -82,7 +82,7 @@ def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_ru
 
 
 def test_a_folder_model_keeps_no_prompt_cache(long_folder):
-    s, _ = _session(long_folder, "fp16")
+    s, _ = tiny_session(long_folder, "fp16")
     assert "folder" in s.enable_prompt_cache(long_folder)
 
 

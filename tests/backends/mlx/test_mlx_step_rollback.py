@@ -6,7 +6,7 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'mlx[cpu]' on Linux)")
 
 from localctx.kernels_metal.quant_append import QuantStore  # noqa: E402
-from test_mlx_backend import _session, tiny_folder  # noqa: E402,F401  (tiny_folder is a fixture)
+from test_mlx_backend import tiny_session, tiny_folder  # noqa: E402,F401  (tiny_folder is a fixture)
 
 
 class InjectedFailure(RuntimeError):
@@ -28,8 +28,8 @@ def same(a: list, b: list) -> bool:
 
 @pytest.mark.parametrize("kv", ["fp16+sink2+win12", "int8+sink2+win40+heavy4", "int4+res8"])
 def test_a_step_failing_in_any_layer_leaves_no_trace(tiny_folder, kv, monkeypatch):
-    failing, _ = _session(tiny_folder, kv)
-    clean, _ = _session(tiny_folder, kv)
+    failing, _ = tiny_session(tiny_folder, kv)
+    clean, _ = tiny_session(tiny_folder, kv)
     prompt = failing.tokenizer.encode("the cache keeps sinks and a window of recent tokens " * 2)
     logits = [s.feed(prompt) for s in (failing, clean)]
     n_layers = len(failing.cache.layers)

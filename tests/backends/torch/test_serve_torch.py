@@ -11,7 +11,9 @@ import openai
 import pytest
 import torch
 
+from localctx.app.serve.streams import make_streams
 from localctx.backends.base import GenerationParams
+from localctx.backends.generation.stream_source import StreamSource
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.backends.torch.serving import SlotBatcher
@@ -100,6 +102,40 @@ def test_a_follow_up_turn_keeps_its_slot_kv_and_matches_a_fresh_prefill(loaded):
     assert done.stats.cached_tokens >= n_first  # the first turn's KV was kept, not prefilled again
     assert stream.slot is first[0].slot
     assert tokens == alone(loaded, follow, params)
+
+
+def test_a_cancelled_or_failed_batch_forgets_its_slots_and_the_batcher_serves_on(loaded, monkeypatch):
+    """The batching sources' shared end of a stream (backends/generation/slots.SlotStreams): a stream
+    that finishes leaves its slot holding its conversation; cancel_all and a step that raises end
+    every live stream and forget their slots' KV; what the server chooses on torch is a StreamSource."""
+    params = GenerationParams(max_tokens=8, ignore_eos=True)
+    batcher = make_streams(new_session(loaded), 2)
+    assert isinstance(batcher, SlotBatcher) and isinstance(batcher, StreamSource)
+    assert (batcher.batching, batcher.capacity, batcher.active) == (True, 2, 0)
+
+    def held() -> list[int]:
+        return [len(s.history) for s in batcher.slots if batcher.cache.has(s.seq_id)]
+
+    drain(batcher, [batcher.start(PROMPTS[0], params, None)])
+    assert held() == [batcher.session.count_tokens(PROMPTS[0]) + 8]  # kept: the prompt and the whole answer
+    for end in ("cancel_all", "failed step"):
+        started = [batcher.start(p, params, None) for p in PROMPTS[:2]]
+        batcher.step()  # both prefilled, each with its first token
+        assert batcher.active == 2 and all(s.slot.busy for s, _ in started)
+        if end == "cancel_all":
+            batcher.cancel_all()
+        else:
+            def broken(*args):
+                raise RuntimeError("decode broke")
+
+            monkeypatch.setattr(batcher.engine, "decode", broken)
+            with pytest.raises(RuntimeError, match="decode broke"):
+                batcher.step()
+            monkeypatch.undo()
+        assert batcher.active == 0 and held() == [] and not any(s.busy or s.history for s in batcher.slots)
+    stream, _ = batcher.start(PROMPTS[1], params, None)
+    tokens, done = drain(batcher, [(stream, None)])[id(stream)]
+    assert done.stats.cached_tokens == 0 and tokens == alone(loaded, PROMPTS[1], params)
 
 
 def test_admission_keeps_the_worst_case_of_every_stream_within_the_pool(loaded):
