@@ -22,7 +22,7 @@ def smoke(tmp_path_factory) -> dict:
     pytest.importorskip("triton", reason="Triton is not installed (pip install 'localctx[dev]')")
     out = tmp_path_factory.mktemp("cuda-check")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALCTX_TRITON", "OUT")}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_check" / "run.py"), "--smoke", "--out", str(out)],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_check" / "one_run.py"), "--smoke", "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads((out / "cuda-check.json").read_text())
