@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from localctx.backends.models.gguf_header import dequantize_f32
+from localctx.backends.models.gguf_meta import ModelMeta
 from localctx.backends.mlx.policy_cache import LayerCache, ModelCache
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
@@ -161,34 +162,20 @@ def _gguf_name(name: str) -> str:
 
 
 def args_from_gguf(reader, name: str) -> ModelArgs:
-    from localctx.backends.models.spec_reader import gguf_field
-
-    arch = gguf_field(reader, "general.architecture")
-
-    def meta(key: str, default=None):
-        value = gguf_field(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise UserError(f"{name} lacks {arch}.{key} in its metadata; the file is incomplete")
-        return value
-
-    n_layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
-    n_heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // n_heads))
-    scaling = str(meta("rope.scaling.type", "none"))
-    if scaling not in ("none", "", "linear"):
-        raise UserError(f"{name} uses RoPE scaling {scaling!r}, which --backend mlx does not run; "
-                        "use --backend llamacpp")
-    softcap = gguf_field(reader, f"{arch}.final_logit_softcapping")
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
+    meta = ModelMeta(reader, name)
+    n_layers, hidden = int(meta.need("block_count")), int(meta.need("embedding_length"))
+    n_heads = int(meta.need("attention.head_count"))
+    head_dim = int(meta.get("attention.key_length", hidden // n_heads))
+    linear_rope = meta.linear_rope("--backend mlx")
+    softcap = meta.get("final_logit_softcapping")
     return ModelArgs(
         hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
-        head_dim=head_dim, intermediate_size=int(meta("feed_forward_length")),
-        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
-        layer_windows=pattern_windows(n_layers, gguf_field(reader, f"{arch}.attention.sliding_window")),
+        n_kv_heads=int(meta.get("attention.head_count_kv", n_heads)),
+        head_dim=head_dim, intermediate_size=int(meta.need("feed_forward_length")), vocab_size=meta.vocab_size(),
+        layer_windows=pattern_windows(n_layers, meta.get("attention.sliding_window")),
         query_scale=default_query_scale(n_layers, hidden, n_heads, head_dim),
-        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)), rope_base=float(meta("rope.freq_base", 1e6)),
-        rope_linear_factor=float(meta("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+        rms_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)), rope_base=float(meta.get("rope.freq_base", 1e6)),
+        rope_linear_factor=1.0 if linear_rope is None else linear_rope,
         final_softcap=float(softcap) if softcap else None)
 
 

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from localctx.backends.models.spec_reader import gguf_field, read_config_json
+from localctx.backends.models.gguf_meta import ModelMeta
+from localctx.backends.models.spec_reader import read_config_json
 from localctx.backends.torch.config import BuildOptions
 from localctx.backends.torch.gguf_loader import dequantize, spec_from
 from localctx.backends.torch.linear import Linear, make_linear
@@ -181,39 +182,20 @@ class Gemma3Model:
 
 # -- loading ------------------------------------------------------------------------------------
 def config_from_gguf(reader, path: Path) -> Gemma3Config:
-    arch = gguf_field(reader, "general.architecture")
-
-    def meta(key: str, default=None):
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    def need(key: str):
-        value = meta(key)
-        if value is None:
-            raise UserError(f"{path.name} lacks {arch}.{key} in its metadata; the file is incomplete")
-        return value
-
-    n_layers, hidden = int(need("block_count")), int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // n_heads))
-    scaling_type = str(meta("rope.scaling.type", "none"))
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", float(meta("rope.scaling.factor", 1.0)))
-    elif scaling_type in ("none", ""):
-        scaling = RopeScaling()
-    else:
-        raise UserError(f"{path.name} uses RoPE scaling {scaling_type!r}, which the torch backend does not run; "
-                        "use --backend llamacpp for this model")
-    softcap = meta("final_logit_softcapping")
+    meta = ModelMeta(reader, path.name)
+    n_layers, hidden = int(meta.need("block_count")), int(meta.need("embedding_length"))
+    n_heads = int(meta.need("attention.head_count"))
+    head_dim = int(meta.get("attention.key_length", hidden // n_heads))
+    softcap = meta.get("final_logit_softcapping")
     return Gemma3Config(
-        architecture=arch, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
-        n_kv_heads=int(meta("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        intermediate_size=int(need("feed_forward_length")),
-        vocab_size=int(meta("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0)),
-        context_length=int(need("context_length")),
-        layer_windows=pattern_windows(n_layers, meta("attention.sliding_window")),
+        architecture=meta.arch, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
+        n_kv_heads=int(meta.get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+        intermediate_size=int(meta.need("feed_forward_length")), vocab_size=meta.vocab_size(),
+        context_length=int(meta.need("context_length")),
+        layer_windows=pattern_windows(n_layers, meta.get("attention.sliding_window")),
         query_scale=default_query_scale(n_layers, hidden, n_heads, head_dim),
-        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_base=float(meta("rope.freq_base", 1_000_000.0)), rope_scaling=scaling,
+        norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_base=float(meta.get("rope.freq_base", 1_000_000.0)), rope_scaling=RopeScaling.from_gguf(meta),
         final_softcap=float(softcap) if softcap else None)
 
 
