@@ -1,4 +1,4 @@
-"""Weights into the MLX model page its architecture names (``MODEL_PAGES``: model.py for the Llama
+"""Weights into the MLX model page its architecture names (``MODEL_PAGES``: llama.py for the Llama
 family, gemma3.py for Gemma 3). Llama-family GGUFs natively (mx.load keeps Q4_0 / Q4_1 / Q8_0 quantized: each
 linear gets its own group size and bits, nothing is dequantised), Hugging Face folders
 (safetensors) and MLX folders (safetensors already quantized, ``quantization`` in config.json).
@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from localctx.backends.mlx import gemma3
 from localctx.backends.mlx import llama
+from localctx.backends.mlx.layers import CausalLM
 from localctx.backends.mlx.llama import Model, ModelArgs
 from localctx.backends.models.gguf_header import GGUFHeader
 from localctx.backends.models.gguf_meta import ModelMeta
@@ -41,7 +42,7 @@ MODEL_PAGES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama,
 
 @dataclass
 class LoadedModel:
-    model: Model | gemma3.Model
+    model: CausalLM
     inv_freq: mx.array | list[mx.array]  # one table, or one per layer (layers with different bases)
     layer_windows: tuple[int | None, ...] = ()  # the model's own sliding window per layer; empty: none
 
