@@ -1,4 +1,4 @@
-"""Gemma 3 (text) in MLX, beside the Llama page (model.py) and with the same cache seam:
+"""Gemma 3 (text) in MLX, beside the Llama page (llama.py) and with the same cache seam:
 attention touches the KV cache only through ``LayerCache.attend`` (keys cached before RoPE).
 
 What differs from Llama (backends/torch/gemma3.py states the same for torch): five local layers
@@ -18,6 +18,8 @@ import mlx.nn as nn
 import numpy as np
 
 from localctx.backends.models.gguf_header import dequantize_f32
+from localctx.backends.models.gguf_meta import ModelMeta
+from localctx.backends.mlx.layers import Attention, AttentionArgs, CausalLM, GatedMLP, ModelShape
 from localctx.backends.mlx.policy_cache import LayerCache, ModelCache
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
@@ -27,14 +29,7 @@ LOCAL_ROPE_BASE = 10000.0  # llama.cpp: rope_freq_base_train_swa (config.json: r
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    hidden_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
+class ModelArgs(ModelShape):
     layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for a global layer
     query_scale: float
     rms_eps: float = 1e-6
@@ -62,43 +57,11 @@ def default_query_scale(n_layers: int, hidden: int, n_heads: int, head_dim: int)
     return (hidden / n_heads if n_layers == 62 else head_dim) ** -0.5
 
 
-class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.scale = a.query_scale
-        self.q_proj = nn.Linear(a.hidden_size, a.n_heads * a.head_dim, bias=False)
-        self.k_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=False)
-        self.v_proj = nn.Linear(a.hidden_size, a.n_kv_heads * a.head_dim, bias=False)
-        self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.hidden_size, bias=False)
-        self.q_norm = nn.RMSNorm(a.head_dim, eps=a.rms_eps)
-        self.k_norm = nn.RMSNorm(a.head_dim, eps=a.rms_eps)
-
-    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
-        length = x.shape[0]
-        q = self.q_norm(self.q_proj(x).reshape(length, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(length, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(length, self.n_kv_heads, self.head_dim)
-        out = cache.attend(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1), self.scale)
-        return self.o_proj(out.astype(x.dtype).swapaxes(0, 1).reshape(length, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.self_attn = Attention(a)
-        self.mlp = MLP(a)
+        self.self_attn = Attention(a, AttentionArgs(a.query_scale, qk_norm_eps=a.rms_eps))
+        self.mlp = GatedMLP(a, nn.gelu_approx)
         self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
@@ -109,32 +72,14 @@ class Block(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3Body(nn.Module):
-    def __init__(self, a: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = [Block(a) for _ in range(a.n_layers)]
-        self.norm = nn.RMSNorm(a.hidden_size, eps=a.rms_eps)
-
-
-class Model(nn.Module):
-    """Hugging Face parameter names (model.layers.N.self_attn.q_proj, ...), one sequence."""
-
+class Model(CausalLM):
     def __init__(self, a: ModelArgs, compute_dtype: mx.Dtype = mx.float32):
-        super().__init__()
-        self.args = a
-        self.compute_dtype = compute_dtype
-        self.model = Gemma3Body(a)
+        super().__init__(a, compute_dtype, a.rms_eps, [Block(a) for _ in range(a.n_layers)])
 
     def __call__(self, tokens: mx.array, cache: ModelCache, last_only: bool = True) -> mx.array:
         """tokens (L,) int → logits (V,) for the last token, or (L, V) with last_only=False."""
-        h = self.model.embed_tokens(tokens).astype(self.compute_dtype)
-        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=self.compute_dtype)
-        for block, layer_cache in zip(self.model.layers, cache.layers):
-            h = block(h, layer_cache)
-        if last_only:
-            h = h[-1:]
-        logits = self.model.embed_tokens.as_linear(self.model.norm(h)).astype(mx.float32)
+        h = self.embed(tokens) * mx.array(math.sqrt(self.args.hidden_size), dtype=self.compute_dtype)
+        logits = self.model.embed_tokens.as_linear(self.model(h, cache, last_only)).astype(mx.float32)
         if self.args.final_softcap:
             logits = mx.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits[0] if last_only else logits
@@ -161,34 +106,21 @@ def _gguf_name(name: str) -> str:
 
 
 def args_from_gguf(reader, name: str) -> ModelArgs:
-    from localctx.backends.models.spec_reader import gguf_field
-
-    arch = gguf_field(reader, "general.architecture")
-
-    def meta(key: str, default=None):
-        value = gguf_field(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise UserError(f"{name} lacks {arch}.{key} in its metadata; the file is incomplete")
-        return value
-
-    n_layers, hidden = int(meta("block_count")), int(meta("embedding_length"))
-    n_heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // n_heads))
-    scaling = str(meta("rope.scaling.type", "none"))
-    if scaling not in ("none", "", "linear"):
-        raise UserError(f"{name} uses RoPE scaling {scaling!r}, which --backend mlx does not run; "
-                        "use --backend llamacpp")
-    softcap = gguf_field(reader, f"{arch}.final_logit_softcapping")
-    tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
+    meta = ModelMeta(reader, name)
+    n_layers, hidden = int(meta.need("block_count")), int(meta.need("embedding_length"))
+    n_heads = int(meta.need("attention.head_count"))
+    head_dim = int(meta.get("attention.key_length", hidden // n_heads))
+    linear_rope = meta.linear_rope("--backend mlx")
+    softcap = meta.get("final_logit_softcapping")
     return ModelArgs(
         hidden_size=hidden, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
-        head_dim=head_dim, intermediate_size=int(meta("feed_forward_length")),
-        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
-        layer_windows=pattern_windows(n_layers, gguf_field(reader, f"{arch}.attention.sliding_window")),
+        n_kv_heads=int(meta.get("attention.head_count_kv", n_heads)),
+        head_dim=head_dim, intermediate_size=int(meta.need("feed_forward_length")), vocab_size=meta.vocab_size(),
+        layer_windows=pattern_windows(n_layers, meta.get("attention.sliding_window")),
         query_scale=default_query_scale(n_layers, hidden, n_heads, head_dim),
-        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)), rope_base=float(meta("rope.freq_base", 1e6)),
-        rope_linear_factor=float(meta("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+        rms_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_base=float(meta.get("rope.freq_base", 1e6)),
+        rope_linear_factor=1.0 if linear_rope is None else linear_rope,
         final_softcap=float(softcap) if softcap else None)
 
 

@@ -1,4 +1,4 @@
-"""Weights into the MLX model page its architecture names (``MODEL_PAGES``: model.py for the Llama
+"""Weights into the MLX model page its architecture names (``MODEL_PAGES``: llama.py for the Llama
 family, gemma3.py for Gemma 3). Llama-family GGUFs natively (mx.load keeps Q4_0 / Q4_1 / Q8_0 quantized: each
 linear gets its own group size and bits, nothing is dequantised), Hugging Face folders
 (safetensors) and MLX folders (safetensors already quantized, ``quantization`` in config.json).
@@ -16,7 +16,11 @@ import mlx.nn as nn
 
 from localctx.backends.mlx import gemma3
 from localctx.backends.mlx import llama
+from localctx.backends.mlx.layers import CausalLM
 from localctx.backends.mlx.llama import Model, ModelArgs
+from localctx.backends.models.gguf_header import GGUFHeader
+from localctx.backends.models.gguf_meta import ModelMeta
+from localctx.backends.models.spec_reader import read_gguf
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
 
@@ -38,7 +42,7 @@ MODEL_PAGES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama,
 
 @dataclass
 class LoadedModel:
-    model: Model | gemma3.Model
+    model: CausalLM
     inv_freq: mx.array | list[mx.array]  # one table, or one per layer (layers with different bases)
     layer_windows: tuple[int | None, ...] = ()  # the model's own sliding window per layer; empty: none
 
@@ -59,15 +63,6 @@ def compute_dtype() -> mx.Dtype:
     return mx.float16 if mx.metal.is_available() else mx.float32
 
 
-def _meta_int(meta: dict, key: str, default=None):
-    value = meta.get(key)
-    if value is None:
-        if default is None:
-            raise UserError(f"the GGUF lacks {key} in its metadata; the file is incomplete")
-        return default
-    return value.item() if isinstance(value, mx.array) else value
-
-
 def _page(architecture, source: str):
     page = MODEL_PAGES.get(str(architecture))
     if page is None:
@@ -76,23 +71,21 @@ def _page(architecture, source: str):
     return page
 
 
-def load_gguf(path: Path, options: LoadOptions = LoadOptions()) -> tuple[LoadedModel, dict]:
-    from localctx.backends.models.spec_reader import gguf_field, read_gguf
-
+def load_gguf(path: Path, options: LoadOptions = LoadOptions()) -> tuple[LoadedModel, GGUFHeader]:
+    """The model and the file's header (its metadata, for the tokenizer)."""
     reader = read_gguf(path)
-    if _page(gguf_field(reader, "general.architecture"), path.name) is gemma3:
+    meta = ModelMeta(reader, path.name)
+    if _page(meta.arch, path.name) is gemma3:
         args = gemma3.args_from_gguf(reader, path.name)
         model = gemma3.build(args, gemma3.gguf_weights(path, reader), compute_dtype())
-        meta = {key: gguf_field(reader, key) for key in reader.keys() if key.startswith(("tokenizer.", "general."))}
-        return LoadedModel(model, args.inv_freqs(), args.layer_windows), meta
+        return LoadedModel(model, args.inv_freqs(), args.layer_windows), reader
     try:
-        tensors, meta = mx.load(str(path), return_metadata=True)
+        tensors = mx.load(str(path))
     except (RuntimeError, ValueError) as exc:
         raise UserError(f"MLX cannot read {path.name} ({str(exc)[:100]}); use a GGUF with F16, Q4_0, Q4_1 or Q8_0 "
                         "tensors, or the model's safetensors folder") from None
-    arch = meta.get("general.architecture")
-    n_heads = int(_meta_int(meta, f"{arch}.attention.head_count"))
-    hidden = int(_meta_int(meta, f"{arch}.embedding_length"))
+    n_heads = int(meta.need("attention.head_count"))
+    hidden = int(meta.need("embedding_length"))
     weights, freq_factors = {}, None
     for name, value in tensors.items():
         if name == "rope_freqs.weight":
@@ -109,18 +102,18 @@ def load_gguf(path: Path, options: LoadOptions = LoadOptions()) -> tuple[LoadedM
         raise UserError(f"{path.name} has a tensor {name!r} that the MLX Llama graph does not know; "
                         "this architecture variant is not supported by --backend mlx")
     args = ModelArgs(
-        hidden_size=hidden, n_layers=int(_meta_int(meta, f"{arch}.block_count")), n_heads=n_heads,
-        n_kv_heads=int(_meta_int(meta, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(_meta_int(meta, f"{arch}.attention.key_length", hidden // n_heads)),
-        intermediate_size=int(_meta_int(meta, f"{arch}.feed_forward_length")),
+        hidden_size=hidden, n_layers=int(meta.need("block_count")), n_heads=n_heads,
+        n_kv_heads=int(meta.get("attention.head_count_kv", n_heads)),
+        head_dim=int(meta.get("attention.key_length", hidden // n_heads)),
+        intermediate_size=int(meta.need("feed_forward_length")),
         vocab_size=int(weights["model.embed_tokens.weight"].shape[0]),
-        rms_eps=float(_meta_int(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(_meta_int(meta, f"{arch}.rope.freq_base", 10000.0)),
-        traditional_rope=arch in _GGUF_TRADITIONAL, tie_embeddings="lm_head.weight" not in weights,
+        rms_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(meta.get("rope.freq_base", 10000.0)),
+        traditional_rope=meta.arch in _GGUF_TRADITIONAL, tie_embeddings="lm_head.weight" not in weights,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights)
     inv_freq = inv_frequencies(args.head_dim, args.rope_base, freq_factors)
-    return LoadedModel(_build(args, weights, _quant_from_shapes(args, weights), options), inv_freq), meta
+    return LoadedModel(_build(args, weights, _quant_from_shapes(args, weights), options), inv_freq), reader
 
 
 def _in_features(args: ModelArgs, path: str) -> int:

@@ -1,6 +1,6 @@
 """``--backend mlx``: Apple Silicon through MLX (Linux CPU runs it too, slowly, for tests).
 
-The model graph is localctx's own (model.py); the KV cache is localctx's (cache.py), so every
+The model graph is localctx's own (llama.py, gemma3.py); the KV cache is localctx's (policy_cache.py), so every
 policy combination runs, including rotating + quantized, which mlx-lm refuses."""
 from __future__ import annotations
 

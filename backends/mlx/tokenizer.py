@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from localctx.backends.models.chat_template import END_OF_TURN, ChatTemplate, gguf_template_source
+from localctx.backends.models.gguf_header import GGUFHeader
 from localctx.backends.llamacpp.session import quiet_stderr
 from localctx.kvcache.errors import UserError
 
@@ -27,24 +28,20 @@ class Tokenizer:
         return self.bytes_fn(token)
 
 
-def _meta(meta: dict, key: str, default=None):
-    value = meta.get(key, default)
-    return value.item() if hasattr(value, "item") else value
-
-
-def gguf_tokenizer(path: Path, meta: dict) -> Tokenizer:
+def gguf_tokenizer(path: Path, meta: GGUFHeader) -> Tokenizer:
+    """``meta``: the file's header (as loading.load_gguf returns it)."""
     import llama_cpp
 
     with quiet_stderr():
         vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    add_bos = bool(_meta(meta, "tokenizer.ggml.add_bos_token", True))
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    bos_id, eos_id = _meta(meta, "tokenizer.ggml.bos_token_id"), _meta(meta, "tokenizer.ggml.eos_token_id")
+    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     eos = {int(eos_id)} if eos_id is not None else {vocab.token_eos()}
-    eot_id = _meta(meta, "tokenizer.ggml.eot_token_id")
+    eot_id = meta.get("tokenizer.ggml.eot_token_id")
     if eot_id is not None:
         eos.add(int(eot_id))
-    types = np.asarray(meta.get("tokenizer.ggml.token_type", []), dtype=np.int64)  # a list, or an mx.array
+    types = np.asarray(meta.get("tokenizer.ggml.token_type", []), dtype=np.int64)
     eos |= {int(i) for i in np.flatnonzero(types == 3) if tokens[int(i)] in END_OF_TURN}  # 3: control token
     name = lambda i: tokens[int(i)] if i is not None and int(i) < len(tokens) else ""  # noqa: E731
     source = gguf_template_source(meta.get("tokenizer.chat_template"))

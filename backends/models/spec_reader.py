@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from localctx.backends.models.gguf_meta import ModelMeta
 from localctx.backends.models.ref import ModelRef, hub_cache_dir, hub_offline
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.layouts import RECURRENT, SWA_PATTERNS, UNMODELLED, build_layers, config_params, pattern_for
@@ -48,11 +49,6 @@ def read_gguf(path: Path):
     return cached_header(path)
 
 
-def gguf_field(reader, key: str, default=None):
-    """A metadata value of a header from ``read_gguf`` (big arrays are read from the file on demand)."""
-    return reader.get(key, default)
-
-
 def _per_layer(value, n_layers: int, default: int) -> list[int]:
     """A GGUF value that is one number for every layer or an array with one per layer."""
     if value is None:
@@ -73,50 +69,42 @@ def _expert_tensors(reader) -> tuple[int, int]:
 
 def gguf_spec(path: Path, name: str | None = None) -> ModelSpec:
     reader = read_gguf(path)
-    arch = gguf_field(reader, "general.architecture")
+    meta = ModelMeta(reader, path.name)
+    arch = meta.arch
     if not arch:
         raise UserError(f"{path} has no general.architecture in its metadata; it is not a model GGUF")
-
-    def get(key: str, default=None):
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    def need(key: str):
-        value = get(key)
-        if value is None:
-            raise UserError(f"{path.name} lacks {arch}.{key} in its metadata; the file is incomplete")
-        return value
-
-    n_layers = int(need("block_count"))
-    hidden = int(need("embedding_length"))
-    heads = _per_layer(get("attention.head_count"), n_layers, 0)
+    n_layers = int(meta.need("block_count"))
+    hidden = int(meta.need("embedding_length"))
+    heads = _per_layer(meta.get("attention.head_count"), n_layers, 0)
     n_heads = max(heads)
-    kv_heads = _per_layer(get("attention.head_count_kv"), n_layers, 0) if get("attention.head_count_kv") is not None \
-        else list(heads)
-    k_dim = int(get("attention.key_length", hidden // n_heads if n_heads else 0))
-    v_dim = int(get("attention.value_length", hidden // n_heads if n_heads else 0))
-    window = get("attention.sliding_window")
+    kv_count = meta.get("attention.head_count_kv")
+    kv_heads = _per_layer(kv_count, n_layers, 0) if kv_count is not None else list(heads)
+    k_dim = int(meta.get("attention.key_length", hidden // n_heads if n_heads else 0))
+    v_dim = int(meta.get("attention.value_length", hidden // n_heads if n_heads else 0))
+    window = meta.get("attention.sliding_window")
     sliding, window = pattern_for(arch, n_layers, int(window) if window else None,
-                                  get("attention.sliding_window_pattern"))
-    no_kv = _no_kv_layers(arch, n_layers, get("attention.recurrent_layers"), get("full_attention_interval"))
+                                  meta.get("attention.sliding_window_pattern"))
+    no_kv = _no_kv_layers(arch, n_layers, meta.get("attention.recurrent_layers"),
+                          meta.get("full_attention_interval"))
     layers = build_layers(n_layers, kv_heads, k_dim, v_dim, sliding, window,
-                          k_dim_swa=get("attention.key_length_swa"), v_dim_swa=get("attention.value_length_swa"),
-                          no_kv=no_kv)
-    vocab = int(get("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0))
+                          k_dim_swa=meta.get("attention.key_length_swa"),
+                          v_dim_swa=meta.get("attention.value_length_swa"), no_kv=no_kv)
+    vocab = meta.vocab_size()
     weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     n_params = sum(int(t.n_elements) for t in reader.tensors)
     moe = None
-    n_experts = int(get("expert_count", 0) or 0)
+    n_experts = int(meta.get("expert_count", 0) or 0)
     if n_experts:
-        used = _per_layer(get("expert_used_count"), n_layers, 0)
+        used = _per_layer(meta.get("expert_used_count"), n_layers, 0)
         expert_bytes, expert_params = _expert_tensors(reader)
         moe = MoE(n_experts=n_experts, n_active=max(used), expert_bytes=expert_bytes, expert_params=expert_params)
     return ModelSpec(
-        name=name or str(gguf_field(reader, "general.name", path.stem)), architecture=arch,
+        name=name or str(reader.get("general.name", path.stem)), architecture=arch,
         n_layers=n_layers, n_heads=n_heads, n_kv_heads=max(kv_heads), head_dim=k_dim,
-        hidden_size=hidden, vocab_size=vocab, context_length=int(need("context_length")),
-        rope_base=float(get("rope.freq_base", 10000.0)),
+        hidden_size=hidden, vocab_size=vocab, context_length=int(meta.need("context_length")),
+        rope_base=float(meta.get("rope.freq_base", 10000.0)),
         weight_bytes=weight_bytes, n_params=n_params, kv_elem_bytes=2,
-        intermediate_size=max(_per_layer(get("feed_forward_length"), n_layers, 0)),
+        intermediate_size=max(_per_layer(meta.get("feed_forward_length"), n_layers, 0)),
         layers=layers, moe=moe, assumptions=_assumptions(arch))
 
 

@@ -1,5 +1,5 @@
-"""The Llama-family model config the torch model is built from (filled by the GGUF and HF loaders),
-and the build options every model page takes."""
+"""The shape every torch model page's config shares, the Llama-family config (filled by the GGUF and
+HF loaders), and the build options every model page takes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,8 +14,9 @@ LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    architecture: str  # llama | mistral | qwen2 | qwen3
+class ModelShape:
+    """What every model page's config has (llama.py's LlamaConfig, gemma3.py's Gemma3Config)."""
+    architecture: str
     n_layers: int
     hidden_size: int
     n_heads: int
@@ -24,12 +25,6 @@ class LlamaConfig:
     intermediate_size: int
     vocab_size: int
     context_length: int
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    qkv_bias: bool = False  # Qwen2/2.5
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
-    tie_embeddings: bool = False
 
     @property
     def q_size(self) -> int:
@@ -38,6 +33,17 @@ class LlamaConfig:
     @property
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelShape):
+    """architecture: llama | mistral | qwen2 | qwen3"""
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    qkv_bias: bool = False  # Qwen2/2.5
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    tie_embeddings: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""localctx's own Gemma 3 (text) model in torch, beside the Llama page (model.py) and with the same
+"""localctx's own Gemma 3 (text) model in torch, beside the Llama page (llama.py) and with the same
 cache seam: ``out = cache.attend(layer_idx, q, k, v)`` with q/k/v before RoPE.
 
 What differs from Llama:
@@ -23,10 +23,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from localctx.backends.models.spec_reader import gguf_field, read_config_json
-from localctx.backends.torch.config import BuildOptions
+from localctx.backends.models.gguf_meta import ModelMeta
+from localctx.backends.models.spec_reader import read_config_json
+from localctx.backends.torch.config import BuildOptions, ModelShape
 from localctx.backends.torch.gguf_loader import dequantize, spec_from
-from localctx.backends.torch.linear import Linear, make_linear
+from localctx.backends.torch.layers import Attention, GatedMLP, RMSNorm, Weights, positions, tensor_bytes
 from localctx.backends.torch.rope import Rope, RopeScaling
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.model_spec import ModelSpec
@@ -37,16 +38,8 @@ NORMS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm", "ffn_
 
 
 @dataclass(frozen=True)
-class Gemma3Config:
-    architecture: str  # gemma3
-    n_layers: int
-    hidden_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    context_length: int
+class Gemma3Config(ModelShape):
+    """architecture: gemma3"""
     layer_windows: tuple[int | None, ...]  # per layer: its sliding window, None for a global layer
     query_scale: float  # query_pre_attn_scalar ** -0.5
     norm_eps: float = 1e-6
@@ -54,14 +47,6 @@ class Gemma3Config:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # global layers only
     local_rope_base: float = LOCAL_ROPE_BASE
     final_softcap: float | None = None
-
-    @property
-    def q_size(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.n_kv_heads * self.head_dim
 
 
 def pattern_windows(n_layers: int, window: int | None) -> tuple[int | None, ...]:
@@ -77,18 +62,22 @@ def default_query_scale(n_layers: int, hidden: int, n_heads: int, head_dim: int)
     return (hidden / n_heads if n_layers == 62 else head_dim) ** -0.5
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 @dataclass
 class Layer:
     attn_norm: torch.Tensor
-    qkv: Linear
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
-    wo: Linear
+    attn: Attention  # with q/k norms
     post_attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    mlp: GatedMLP  # GeGLU
     post_ffn_norm: torch.Tensor
+
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        return (self.attn_norm, self.attn.q_norm, self.attn.k_norm, self.post_attn_norm, self.ffn_norm,
+                self.post_ffn_norm)
 
 
 class Gemma3Model:
@@ -98,32 +87,18 @@ class Gemma3Model:
         self.config = config
         self.dtype = dtype
         self.device = device
-
-        def raw(name: str) -> torch.Tensor:
-            t = tensors.get(name)
-            if t is None:
-                raise UserError(f"the model has no tensor {name!r}; the file is incomplete or not a Gemma 3 model")
-            return t
-
-        def take(name: str) -> torch.Tensor:
-            return raw(name).to(device=device, dtype=dtype)
-
-        def linear(*names: str) -> Linear:
-            return make_linear(torch.cat([raw(f"{n}.weight").to(device) for n in names], dim=0), None, weights, dtype)
-
-        self.embed = take("token_embd.weight")
+        self.norm = RMSNorm(config.norm_eps, float32=True)
+        w = Weights(tensors, dtype=dtype, device=device, weights=weights, model="Gemma 3 model")
+        self.embed = w.take("token_embd.weight")
         self.layers = []
         for i in range(config.n_layers):
             p = f"blk.{i}."
             self.layers.append(Layer(
-                attn_norm=take(p + "attn_norm.weight"), qkv=linear(p + "attn_q", p + "attn_k", p + "attn_v"),
-                q_norm=take(p + "attn_q_norm.weight"), k_norm=take(p + "attn_k_norm.weight"),
-                wo=linear(p + "attn_output"), post_attn_norm=take(p + "post_attention_norm.weight"),
-                ffn_norm=take(p + "ffn_norm.weight"), gate_up=linear(p + "ffn_gate", p + "ffn_up"),
-                down=linear(p + "ffn_down"), post_ffn_norm=take(p + "post_ffw_norm.weight")))
-        self.final_norm = take("output_norm.weight")
-        head = tensors.get("output.weight", raw("token_embd.weight"))
-        self.lm_head = make_linear(head.to(device), None, weights, dtype)
+                attn_norm=w.take(p + "attn_norm.weight"), attn=Attention.load(w, p, config, bias=False, qk_norm=True),
+                post_attn_norm=w.take(p + "post_attention_norm.weight"), ffn_norm=w.take(p + "ffn_norm.weight"),
+                mlp=GatedMLP.load(w, p, gelu_tanh), post_ffn_norm=w.take(p + "post_ffw_norm.weight")))
+        self.final_norm = w.take("output_norm.weight")
+        self.lm_head = w.lm_head(tied=False)
         # the cache's attention scales by head_dim ** -0.5; the rest of the query scale goes here
         self.q_factor = config.query_scale * math.sqrt(config.head_dim)
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=dtype).item()
@@ -141,79 +116,44 @@ class Gemma3Model:
 
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads (the embedding table is only indexed)."""
-        total = self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
+        total = self.lm_head.nbytes() + tensor_bytes(self.final_norm)
         for layer in self.layers:
-            total += layer.qkv.nbytes() + layer.wo.nbytes() + layer.gate_up.nbytes() + layer.down.nbytes()
-            norms = (layer.attn_norm, layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.ffn_norm,
-                     layer.post_ffn_norm)
-            total += sum(n.numel() * n.element_size() for n in norms)
+            total += layer.attn.nbytes() + layer.mlp.nbytes() + tensor_bytes(*layer.norms())
         return total
 
     # -- the forward ----------------------------------------------------------------------------
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), self.config.norm_eps).to(x.dtype)
-
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache, *, all_logits: bool = False,
                 last: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [B, T]. Returns float32 logits [B, vocab] for the last position of each row
-        (or row b's position ``last[b]``, for rows padded after their tokens), or [B, T, vocab]
-        with ``all_logits``."""
-        c = self.config
-        B, T = tokens.shape
+        """tokens: [B, T]. Returns float32 logits [B, vocab] (layers.positions: each row's last
+        position, or ``last[b]``), or [B, T, vocab] with ``all_logits``."""
         x = self.embed[tokens] * self.embed_scale
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, layer.attn_norm)
-            q, k, v = layer.qkv(h).split((c.q_size, c.kv_size, c.kv_size), dim=-1)
-            q = self._norm(q.view(B, T, c.n_heads, c.head_dim), layer.q_norm) * self.q_factor
-            k = self._norm(k.view(B, T, c.n_kv_heads, c.head_dim), layer.k_norm)
-            attn = cache.attend(i, q, k, v.view(B, T, c.n_kv_heads, c.head_dim))
-            x = x + self._norm(layer.wo(attn.reshape(B, T, c.q_size)), layer.post_attn_norm)
-            gate, up = layer.gate_up(self._norm(x, layer.ffn_norm)).chunk(2, dim=-1)
-            x = x + self._norm(layer.down(F.gelu(gate, approximate="tanh") * up), layer.post_ffn_norm)
-        if not all_logits:
-            x = x[:, -1] if last is None else x[torch.arange(B, device=x.device), last]
-        logits = self.lm_head(self._norm(x, self.final_norm)).float()
-        if c.final_softcap:
-            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+            q, k, v = layer.attn.heads(self.norm(x, layer.attn_norm), self.norm)
+            x = x + self.norm(layer.attn.out(cache.attend(i, q * self.q_factor, k, v)), layer.post_attn_norm)
+            x = x + self.norm(layer.mlp(self.norm(x, layer.ffn_norm)), layer.post_ffn_norm)
+        logits = self.lm_head(self.norm(positions(x, all_logits, last), self.final_norm)).float()
+        if self.config.final_softcap:
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
         return logits
 
 
 # -- loading ------------------------------------------------------------------------------------
 def config_from_gguf(reader, path: Path) -> Gemma3Config:
-    arch = gguf_field(reader, "general.architecture")
-
-    def meta(key: str, default=None):
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    def need(key: str):
-        value = meta(key)
-        if value is None:
-            raise UserError(f"{path.name} lacks {arch}.{key} in its metadata; the file is incomplete")
-        return value
-
-    n_layers, hidden = int(need("block_count")), int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // n_heads))
-    scaling_type = str(meta("rope.scaling.type", "none"))
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", float(meta("rope.scaling.factor", 1.0)))
-    elif scaling_type in ("none", ""):
-        scaling = RopeScaling()
-    else:
-        raise UserError(f"{path.name} uses RoPE scaling {scaling_type!r}, which the torch backend does not run; "
-                        "use --backend llamacpp for this model")
-    softcap = meta("final_logit_softcapping")
+    meta = ModelMeta(reader, path.name)
+    n_layers, hidden = int(meta.need("block_count")), int(meta.need("embedding_length"))
+    n_heads = int(meta.need("attention.head_count"))
+    head_dim = int(meta.get("attention.key_length", hidden // n_heads))
+    softcap = meta.get("final_logit_softcapping")
     return Gemma3Config(
-        architecture=arch, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
-        n_kv_heads=int(meta("attention.head_count_kv", n_heads)), head_dim=head_dim,
-        intermediate_size=int(need("feed_forward_length")),
-        vocab_size=int(meta("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0)),
-        context_length=int(need("context_length")),
-        layer_windows=pattern_windows(n_layers, meta("attention.sliding_window")),
+        architecture=meta.arch, n_layers=n_layers, hidden_size=hidden, n_heads=n_heads,
+        n_kv_heads=int(meta.get("attention.head_count_kv", n_heads)), head_dim=head_dim,
+        intermediate_size=int(meta.need("feed_forward_length")), vocab_size=meta.vocab_size(),
+        context_length=int(meta.need("context_length")),
+        layer_windows=pattern_windows(n_layers, meta.get("attention.sliding_window")),
         query_scale=default_query_scale(n_layers, hidden, n_heads, head_dim),
-        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_base=float(meta("rope.freq_base", 1_000_000.0)), rope_scaling=scaling,
+        norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_base=float(meta.get("rope.freq_base", 1_000_000.0)), rope_scaling=RopeScaling.from_gguf(meta),
         final_softcap=float(softcap) if softcap else None)
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from localctx.backends.models.gguf_header import TensorInfo, dequantize_f32
-from localctx.backends.models.spec_reader import NATIVE_GRAPH, gguf_field, read_gguf
+from localctx.backends.models.gguf_meta import ModelMeta
+from localctx.backends.models.spec_reader import NATIVE_GRAPH, read_gguf
 from localctx.backends.torch.config import LlamaConfig
 from localctx.backends.torch.rope import RopeScaling
 from localctx.kvcache.errors import UserError
@@ -28,40 +29,21 @@ def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def read_config(reader, path: Path) -> LlamaConfig:
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in NATIVE_GRAPH:
-        raise UserError(f"unsupported architecture {arch!r} in {path.name}; the torch backend runs the Llama "
+    meta = ModelMeta(reader, path.name)
+    if meta.arch not in NATIVE_GRAPH:
+        raise UserError(f"unsupported architecture {meta.arch!r} in {path.name}; the torch backend runs the Llama "
                         f"family ({', '.join(sorted(NATIVE_GRAPH))}); run it with --backend llamacpp")
-
-    def meta(key: str, default=None):
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    def need(key: str):
-        value = meta(key)
-        if value is None:
-            raise UserError(f"{path.name} lacks {arch}.{key} in its metadata; the file is incomplete")
-        return value
-
-    n_heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
+    n_heads = int(meta.need("attention.head_count"))
+    hidden = int(meta.need("embedding_length"))
     names = {t.name for t in reader.tensors}
-    scaling_type = str(meta("rope.scaling.type", "none"))
-    if scaling_type == "linear":
-        scaling = RopeScaling("linear", float(meta("rope.scaling.factor", 1.0)))
-    elif scaling_type in ("none", ""):
-        scaling = RopeScaling()
-    else:
-        raise UserError(f"{path.name} uses RoPE scaling {scaling_type!r}, which the torch backend does not run; "
-                        "use --backend llamacpp for this model")
     return LlamaConfig(
-        architecture=arch, n_layers=int(need("block_count")), hidden_size=hidden, n_heads=n_heads,
-        n_kv_heads=int(meta("attention.head_count_kv", n_heads)),
-        head_dim=int(meta("attention.key_length", hidden // n_heads)),
-        intermediate_size=int(need("feed_forward_length")),
-        vocab_size=int(meta("vocab_size", reader.array_length("tokenizer.ggml.tokens") or 0)),
-        context_length=int(need("context_length")),
-        norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(meta("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        architecture=meta.arch, n_layers=int(meta.need("block_count")), hidden_size=hidden, n_heads=n_heads,
+        n_kv_heads=int(meta.get("attention.head_count_kv", n_heads)),
+        head_dim=int(meta.get("attention.key_length", hidden // n_heads)),
+        intermediate_size=int(meta.need("feed_forward_length")), vocab_size=meta.vocab_size(),
+        context_length=int(meta.need("context_length")),
+        norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(meta.get("rope.freq_base", 10000.0)), rope_scaling=RopeScaling.from_gguf(meta),
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_embeddings="output.weight" not in names)
 

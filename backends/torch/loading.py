@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localctx.backends.models.spec_reader import gguf_field, read_config_json, read_gguf
+from localctx.backends.models.spec_reader import read_config_json, read_gguf
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.torch import gemma3
 from localctx.backends.torch import llama
@@ -122,7 +122,7 @@ def load_model(ref: ModelRef, options: TorchOptions) -> LoadedModel:
                          dtype=options.dtype, device=options.device, weights=options.weights)
     if ref.kind == "gguf":
         reader = read_gguf(ref.path)
-        page = model_page(gguf_field(reader, "general.architecture"), ref.path.name)
+        page = model_page(reader.get("general.architecture"), ref.path.name)
         model, spec = page.from_gguf(reader, ref.path, ref.name, build)
         tokenizer = from_gguf(reader, ref.path.name)
     elif ref.kind == "hf":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from localctx.backends.models.gguf_meta import ModelMeta
 from localctx.kvcache.errors import UserError
 
 
@@ -37,6 +38,12 @@ class RopeScaling:
                        int(cfg.get("original_max_position_embeddings", 8192)))
         raise UserError(f"RoPE scaling {kind!r} is not supported by the torch backend (it runs none, linear "
                         "and llama3); use the llamacpp backend for this model")
+
+    @classmethod
+    def from_gguf(cls, meta: ModelMeta) -> "RopeScaling":
+        """A GGUF's scaling: none or linear (llama3-style factors come as the rope_freqs tensor)."""
+        factor = meta.linear_rope("the torch backend")
+        return cls() if factor is None else cls("linear", factor)
 
 
 def inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling = RopeScaling(),

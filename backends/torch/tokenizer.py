@@ -11,7 +11,6 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from localctx.backends.models.chat_template import END_OF_TURN, gguf_template_source
-from localctx.backends.models.spec_reader import gguf_field
 from localctx.kvcache.errors import UserError
 
 _CONTRACTIONS = "'s|'t|'re|'ve|'m|'ll|'d"
@@ -113,15 +112,15 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 
 def _spm_tokenizer(reader) -> tuple[Tokenizer, list[str], list[int]]:
-    tokens = [str(t) for t in gguf_field(reader, "tokenizer.ggml.tokens")]
-    types = [int(t) for t in gguf_field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
-    scores = [float(x) for x in gguf_field(reader, "tokenizer.ggml.scores", [0.0] * len(tokens))]
-    unk = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
+    tokens = [str(t) for t in reader.get("tokenizer.ggml.tokens")]
+    types = [int(t) for t in reader.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    scores = [float(x) for x in reader.get("tokenizer.ggml.scores", [0.0] * len(tokens))]
+    unk = reader.get("tokenizer.ggml.unknown_token_id")
     bpe = models.BPE({t: i for i, t in enumerate(tokens)}, spm_merges(tokens, scores, types),
                      unk_token=tokens[int(unk)] if unk is not None else None, byte_fallback=True, fuse_unk=True)
     tok = Tokenizer(bpe)
     steps = [normalizers.Replace(" ", SPACE)]
-    if gguf_field(reader, "tokenizer.ggml.add_space_prefix", True):
+    if reader.get("tokenizer.ggml.add_space_prefix", True):
         steps.insert(0, normalizers.Prepend(SPACE))
     tok.normalizer = normalizers.Sequence(steps)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -129,14 +128,14 @@ def _spm_tokenizer(reader) -> tuple[Tokenizer, list[str], list[int]]:
 
 
 def _bpe_tokenizer(reader, name: str) -> tuple[Tokenizer, list[str], list[int]]:
-    pre = str(gguf_field(reader, "tokenizer.ggml.pre", "default"))
+    pre = str(reader.get("tokenizer.ggml.pre", "default"))
     splits = PRE_SPLITS.get(pre)
     if splits is None:
         raise UserError(f"{name} uses llama.cpp pre-tokenizer {pre!r}, which the torch backend does not know "
                         f"(known: {', '.join(sorted(PRE_SPLITS))}); use --backend llamacpp")
-    tokens = [str(t) for t in gguf_field(reader, "tokenizer.ggml.tokens")]
-    types = [int(t) for t in gguf_field(reader, "tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
-    merges = [tuple(str(m).split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
+    tokens = [str(t) for t in reader.get("tokenizer.ggml.tokens")]
+    types = [int(t) for t in reader.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))]
+    merges = [tuple(str(m).split(" ", 1)) for m in reader.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -147,7 +146,7 @@ def _bpe_tokenizer(reader, name: str) -> tuple[Tokenizer, list[str], list[int]]:
 
 
 def from_gguf(reader, name: str) -> TextTokenizer:
-    kind = gguf_field(reader, "tokenizer.ggml.model")
+    kind = reader.get("tokenizer.ggml.model")
     if kind == "gpt2":
         tok, tokens, types = _bpe_tokenizer(reader, name)
     elif kind == "llama":
@@ -158,15 +157,15 @@ def from_gguf(reader, name: str) -> TextTokenizer:
                         "model's HF folder with tokenizer.json")
     special = [i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)]
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    bos = reader.get("tokenizer.ggml.bos_token_id")
+    eos = reader.get("tokenizer.ggml.eos_token_id")
+    eot = reader.get("tokenizer.ggml.eot_token_id")
     eos_ids = {int(x) for x in (eos, eot) if x is not None}
     eos_ids |= {i for i, t in enumerate(types) if t == CONTROL and tokens[i] in END_OF_TURN}
     return TextTokenizer(
         tokenizer=tok, bos_id=int(bos) if bos is not None else None, eos_ids=eos_ids,
-        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        chat_template=gguf_template_source(gguf_field(reader, "tokenizer.chat_template")),
+        add_bos=bool(reader.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=gguf_template_source(reader.get("tokenizer.chat_template")),
         bos_text=tokens[int(bos)] if bos is not None else "", eos_text=tokens[int(eos)] if eos is not None else "",
         control_ids={i for i, t in enumerate(types) if t == CONTROL}, byte_level=kind == "gpt2")
 
