@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 from localctx.app.commands.serve import bind
+from localctx.app.serve.access import Access
 from localctx.app.serve.http import ServeState, build_app
+from localctx.app.serve.protocol import RequestRules
 from localctx.app.serve.scheduler import Limits, Scheduler
 from localctx.app.serve.streams import make_streams
 
@@ -21,14 +23,16 @@ START_TIMEOUT_S = 240  # loading and planning take a minute on a busy 2-core mac
 
 @contextlib.contextmanager
 def serve_in_thread(session, model_id: str, parallel: int = 1, limits: Limits = Limits(), api_key=None,
-                    max_body: int = 4 * 1024 * 1024):
-    """Yields (base URL ending in /v1, the Scheduler)."""
+                    max_body: int = 4 * 1024 * 1024, rules: RequestRules = RequestRules(), access: Access | None = None,
+                    streams=None):
+    """Yields (base URL ending in /v1, the Scheduler). ``streams``: a stream source of the caller's
+    (else the one serve would make for ``parallel``)."""
     import uvicorn
 
-    streams = make_streams(session, parallel)
+    streams = streams or make_streams(session, parallel)
     scheduler = Scheduler(session, streams, limits)
     state = ServeState(scheduler=scheduler, model_id=model_id, spec=session.spec, plan=session.plan,
-                       api_key=api_key, max_body_bytes=max_body)
+                       access=access or Access(api_key=api_key), rules=rules, max_body_bytes=max_body)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", timeout_keep_alive=2))

@@ -3,11 +3,12 @@ behind it."""
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import socket
 import sys
 
+from localctx.app.serve.access import Access, is_loopback
+from localctx.app.serve.protocol import DEFAULT_MAX_TOKENS_CAP, RequestRules
 from localctx.app.session_options import (SessionRequest, add_cache_reuse_option, add_session_options, plan_session,
                                           resolve_model)
 from localctx.kvcache.cost import format_bytes
@@ -29,7 +30,15 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port, printed)")
     p.add_argument("--api-key", default=None,
-                   help=f"key clients must send as 'Authorization: Bearer KEY' (default: ${KEY_ENV}, else none)")
+                   help=f"key clients must send as 'Authorization: Bearer KEY'; prefer ${KEY_ENV} (a key given here "
+                        "shows in ps). Without a key the server answers only requests addressed to this machine "
+                        "(docs/serve.md)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="without a key, also answer requests whose Host is NAME (repeatable; by default only "
+                        "localhost and loopback addresses)")
+    p.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                   help="send CORS headers to web pages from ORIGIN, e.g. http://localhost:3000 (repeatable; '*' "
+                        "needs a key; default: none)")
     p.add_argument("--parallel", type=int, default=4, metavar="N",
                    help="conversations decoded together (torch: they share the planned KV pool; llama.cpp: "
                         "each gets context/N tokens; windowed llama.cpp policies and MLX serve one at a time; "
@@ -38,26 +47,29 @@ def register(sub) -> None:
                    help="requests that may wait; more are answered 503 with Retry-After (default 32)")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
                    help="largest request body; larger ones get 413 (default 4 MiB)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS_CAP, metavar="N",
+                   help="the most tokens one answer may have: a request asking for more is capped to N and its "
+                        f"answer says so (default {DEFAULT_MAX_TOKENS_CAP})")
+    p.add_argument("--allow-ignore-eos", action="store_true",
+                   help="let requests set ignore_eos (answers run to max_tokens past end-of-text: for benchmarks)")
+    p.add_argument("--kv-lanes", type=int, default=0, metavar="N",
+                   help="let requests choose their own KV policy (localctx.kv), opening at most N new KV lanes a "
+                        "minute (default 0: only the served policy)")
     p.set_defaults(handler=handle)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_args(args: argparse.Namespace, api_key: str | None) -> None:
     if not is_loopback(args.host) and not api_key:
         raise UserError(f"--host {args.host} would expose the server beyond this machine without a key; "
-                        f"add --api-key KEY (or set ${KEY_ENV}), or bind 127.0.0.1")
+                        f"set ${KEY_ENV} (or --api-key KEY, which shows in ps), or bind 127.0.0.1")
     if args.backend == "openai":
         raise UserError("localctx serve runs a local model; choose --backend llamacpp, torch or mlx")
+    if "*" in args.cors and not api_key:
+        raise UserError("--cors '*' would let any web page use the server; name the origin (--cors "
+                        "http://localhost:3000), or set an API key")
     for name, value, low in (("--parallel", args.parallel, 1), ("--queue", args.queue, 1),
-                             ("--max-body", args.max_body, 1024)):
+                             ("--max-body", args.max_body, 1024), ("--max-tokens", args.max_tokens, 1),
+                             ("--kv-lanes", args.kv_lanes, 0)):
         if value < low:
             raise UserError(f"{name} {value} must be at least {low}")
     if not 0 <= args.port <= 65535:
@@ -81,14 +93,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def access_of(args: argparse.Namespace, api_key: str | None) -> Access:
+    return Access(api_key=api_key, allowed_hosts=tuple(h.strip("[]").lower().rstrip(".") for h in args.allow_host),
+                  cors_origins=tuple(o.rstrip("/") for o in args.cors))
+
+
 def handle(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(KEY_ENV) or None
     check_args(args, api_key)
+    if args.api_key:
+        print(f"localctx serve: a key given with --api-key shows in ps to every user of this machine; prefer "
+              f"${KEY_ENV}", file=sys.stderr)
     try:
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
         import starlette  # noqa: F401
     except ImportError as exc:
-        raise UserError(f"localctx serve needs {exc.name}: pip install starlette uvicorn") from None
+        raise UserError(f"localctx serve needs {exc.name}: pip install starlette uvicorn prometheus-client") from None
     from localctx.app.serve.http import ServeState, build_app
     from localctx.app.serve.scheduler import Limits, Scheduler
     from localctx.app.serve.streams import open_streams
@@ -99,9 +120,10 @@ def handle(args: argparse.Namespace) -> int:
     planned = plan_session(req)
     threads = torch_serving_threads() if planned.plan.backend == "torch" else None
     session, streams = open_streams(planned, args.parallel)
-    scheduler = Scheduler(session, streams, Limits(max_queue=args.queue))
+    scheduler = Scheduler(session, streams, Limits(max_queue=args.queue, kv_lanes_per_min=args.kv_lanes))
     state = ServeState(scheduler=scheduler, model_id=ref.name, spec=session.spec, plan=session.plan,
-                       api_key=api_key, max_body_bytes=args.max_body,
+                       access=access_of(args, api_key), max_body_bytes=args.max_body,
+                       rules=RequestRules(max_tokens=args.max_tokens, ignore_eos=args.allow_ignore_eos),
                        request_timeout_s=REQUEST_TIMEOUT_S if args.timeout is None else args.timeout)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

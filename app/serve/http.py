@@ -1,15 +1,20 @@
-"""The HTTP side on Starlette: routes, the API key, body limits, SSE, and the bridge to the
-scheduler thread (each request gets an asyncio queue the scheduler feeds thread-safely).
+"""The HTTP side on Starlette: routes, body limits, SSE, and the bridge to the scheduler thread
+(each request gets an asyncio queue the scheduler feeds thread-safely). Who may call the routes
+(the API key, the host rule, media types, CORS) is app/serve/access.py, in front of all of them.
 
-A client that disconnects sets its job's cancel flag: a streamed response notices when the
-send fails (Starlette cancels the body), a whole one by polling ``is_disconnected``."""
+A request's prompt is tokenized here, on a worker thread, before the scheduler sees it. A client
+that disconnects sets its job's cancel flag, at any point: while it waits in the queue or for its
+first token (``_next`` polls ``is_disconnected``), or mid-stream (Starlette cancels the body
+when the client goes, or a send fails). Whatever a route raises is answered in OpenAI's error
+shape, never as a bare 500."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
@@ -19,13 +24,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from localctx.app.serve import protocol
-from localctx.app.serve.protocol import ApiError
+from localctx.app.serve.access import Access, AccessLayer
+from localctx.app.serve.metrics import CONTENT_TYPE, ServeMetrics
+from localctx.app.serve.protocol import ApiError, RequestRules
 from localctx.app.serve.scheduler import Failed, Refused, Scheduler, ServeJob
 from localctx.backends.base import GenerationEvent
+from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.model_spec import ModelSpec
 
 POLL_S = 0.25
+log = logging.getLogger("localctx.serve")
 
 
 @dataclass
@@ -34,7 +43,8 @@ class ServeState:
     model_id: str
     spec: ModelSpec
     plan: Plan
-    api_key: str | None = None
+    access: Access = field(default_factory=Access)
+    rules: RequestRules = field(default_factory=RequestRules)
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 600.0
 
@@ -46,16 +56,6 @@ def error_response(err: ApiError) -> JSONResponse:
 
 def _from_refused(r: Refused) -> ApiError:
     return ApiError(r.status, r.message, type=r.type, code=r.code, param=r.param, retry_after=r.retry_after)
-
-
-def _check_key(state: ServeState, request: Request) -> None:
-    if state.api_key is None:
-        return
-    auth = request.headers.get("authorization", "")
-    given = auth[7:] if auth.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-        raise ApiError(401, "Incorrect API key provided: send Authorization: Bearer <the key the server was "
-                            "started with>", type="authentication_error", code="invalid_api_key")
 
 
 async def _read_json(state: ServeState, request: Request):
@@ -70,110 +70,130 @@ async def _read_json(state: ServeState, request: Request):
         body += piece
         if len(body) > limit:
             raise too_big
+    return protocol.parse_json(bytes(body))
+
+
+async def _tokenize(state: ServeState, prompt) -> tuple[list[int] | None, int]:
     try:
-        return json.loads(body)
-    except ValueError:
-        raise ApiError(400, "the request body is not valid JSON") from None
+        return await run_in_threadpool(state.scheduler.tokenize, prompt)
+    except UserError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
 
 
-def build_app(state: ServeState) -> Starlette:
+def _guarded(handler):
+    """``handler`` with every failure answered as an OpenAI-shaped error (a bug: 500, logged)."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return error_response(err)
+        except ConnectionResetError:  # the client left before the answer: nobody reads this
+            return Response(status_code=499)
+        except Exception as exc:  # noqa: BLE001 - one request's failure, answered as such
+            log.exception("%s failed", request.url.path)
+            return error_response(ApiError(500, f"the server failed on this request: {type(exc).__name__}",
+                                           type="server_error"))
+    return endpoint
+
+
+def build_app(state: ServeState) -> AccessLayer:
     scheduler = state.scheduler
+    metrics = ServeMetrics(scheduler)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", **scheduler.load()})
 
     async def models(request: Request) -> Response:
-        try:
-            _check_key(state, request)
-        except ApiError as err:
-            return error_response(err)
         plan = state.plan
         card = {"id": state.model_id, "object": "model", "created": 0, "owned_by": "localctx",
                 "localctx": {"trained_context": state.spec.context_length, "context": plan.context,
                              "plan": plan.to_dict(), "slots": scheduler.streams.capacity,
                              "batching": scheduler.streams.batching, "kv_budget": scheduler.streams.budget,
-                             "lanes": scheduler.streams.describe()}}
+                             "lanes": scheduler.streams.describe(), "max_tokens": state.rules.max_tokens,
+                             "ignore_eos": state.rules.ignore_eos,
+                             "kv_lanes_per_min": scheduler.limits.kv_lanes_per_min}}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def count_tokens(request: Request) -> Response:
         """POST {"messages": [...]} or {"prompt": "..."} → {"count": N, "context": C}: the served
         tokenizer's count, chat template included (the openai backend sizes chunks with it)."""
-        try:
-            _check_key(state, request)
-            body = await _read_json(state, request)
-            if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
-            prompt = protocol.parse_prompt(body, "messages" in body)
-            n = await run_in_threadpool(scheduler.session.count_tokens, prompt)
-        except ApiError as err:
-            return error_response(err)
+        body = await _read_json(state, request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        prompt = protocol.parse_prompt(body, "messages" in body)
+        _, n = await _tokenize(state, prompt)
         return JSONResponse({"count": n, "context": state.plan.context})
 
     def completion_route(chat: bool):
         async def endpoint(request: Request) -> Response:
-            try:
-                _check_key(state, request)
-                body = await _read_json(state, request)
-                parsed = protocol.parse(body, chat, state.model_id, state.plan, state.spec.context_length)
-                return await _serve(state, request, parsed)
-            except ApiError as err:
-                return error_response(err)
-            except ConnectionResetError:  # the client left before the answer: nobody reads this
-                return Response(status_code=499)
+            body = await _read_json(state, request)
+            parsed = protocol.parse(body, chat, state.model_id, state.plan, state.spec.context_length, state.rules)
+            return await _serve(state, request, parsed, metrics)
         return endpoint
 
-    routes = [Route("/health", health), Route("/v1/models", models),
-              Route("/v1/chat/completions", completion_route(True), methods=["POST"]),
-              Route("/v1/completions", completion_route(False), methods=["POST"]),
-              Route("/localctx/count_tokens", count_tokens, methods=["POST"])]
+    routes = [Route("/health", _guarded(health)), Route("/v1/models", _guarded(models)),
+              Route("/metrics", _guarded(prometheus)),
+              Route("/v1/chat/completions", _guarded(completion_route(True)), methods=["POST"]),
+              Route("/v1/completions", _guarded(completion_route(False)), methods=["POST"]),
+              Route("/localctx/count_tokens", _guarded(count_tokens), methods=["POST"])]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         scheduler.close()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    return AccessLayer(app, state.access, metrics.on_status)
 
 
-async def _serve(state: ServeState, request: Request, parsed: protocol.ParsedRequest) -> Response:
+async def _serve(state: ServeState, request: Request, parsed: protocol.ParsedRequest,
+                 metrics: ServeMetrics) -> Response:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
+    tokens, n_prompt = await _tokenize(state, parsed.prompt)
 
     def emit(item) -> None:
+        metrics.observe(job, item)
         try:
             loop.call_soon_threadsafe(inbox.put_nowait, item)
         except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
             pass
 
     job = ServeJob(prompt=parsed.prompt, params=parsed.params, emit=emit, context=parsed.context,
-                   policy=parsed.policy, timeout_s=state.request_timeout_s)
+                   policy=parsed.policy, timeout_s=state.request_timeout_s, ids=tokens, n_prompt=n_prompt)
+    if await request.is_disconnected():  # gone while its prompt was tokenized
+        raise ConnectionResetError("the client disconnected")
     if not state.scheduler.submit(job):
         raise ApiError(503, f"the server is busy ({state.scheduler.limits.max_queue} requests waiting); retry "
                             "after the Retry-After seconds", type="server_error", code="queue_full",
                        retry_after=state.scheduler.limits.retry_after_s)
+    watch = _Watch(request, job)
     try:
-        first = await _next(inbox, request, job)
+        first = await watch.next(inbox)
+        if isinstance(first, Refused):
+            raise _from_refused(first)
+        if isinstance(first, Failed):
+            raise ApiError(500, first.message, type="server_error")
+        ids = protocol.Ids(parsed.chat, state.model_id)
+        if parsed.stream:  # from here the stream's own ``finally`` cancels the job when it ends
+            return StreamingResponse(_sse(state, ids, parsed, job, inbox, first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces, event = [first.text], first
+        while event.kind != "done":
+            item = await watch.next(inbox)
+            if isinstance(item, Failed):
+                raise ApiError(500, item.message, type="server_error")
+            if isinstance(item, Refused):
+                raise _from_refused(item)
+            event = item
+            pieces.append(event.text)
     except BaseException:
-        job.cancel.set()
+        job.cancel.set()  # refused, failed, or the client left: nothing more is generated for it
         raise
-    if isinstance(first, Refused):
-        raise _from_refused(first)
-    if isinstance(first, Failed):
-        raise ApiError(500, first.message, type="server_error")
-    ids = protocol.Ids(parsed.chat, state.model_id)
-    if parsed.stream:
-        return StreamingResponse(_sse(state, ids, parsed, job, inbox, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    pieces, event = [first.text], first
-    while event.kind != "done":
-        item = await _next(inbox, request, job)
-        if isinstance(item, Failed):
-            raise ApiError(500, item.message, type="server_error")
-        if isinstance(item, Refused):
-            raise _from_refused(item)
-        event = item
-        pieces.append(event.text)
-    return JSONResponse(protocol.whole(ids, "".join(pieces), event, _plan_of(state, job), parsed.context,
-                                       job.timed_out))
+    return JSONResponse(protocol.whole(ids, "".join(pieces), event, _plan_of(state, job), parsed, job.timed_out))
 
 
 def _plan_of(state: ServeState, job: ServeJob) -> Plan:
@@ -181,15 +201,25 @@ def _plan_of(state: ServeState, job: ServeJob) -> Plan:
     return job.lane.plan if job.lane is not None else state.plan
 
 
-async def _next(inbox: asyncio.Queue, request: Request, job: ServeJob):
-    """The scheduler's next item; cancels the job if the client goes away while we wait."""
-    while True:
-        try:
-            return await asyncio.wait_for(inbox.get(), POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel.set()
-                raise ConnectionResetError("the client disconnected") from None
+class _Watch:
+    """The scheduler's items for one job, with a look at the connection at least every POLL_S: a
+    client that leaves cancels its job whether tokens are flowing or not."""
+
+    def __init__(self, request: Request, job: ServeJob):
+        self.request, self.job = request, job
+        self.checked = time.monotonic()
+
+    async def next(self, inbox: asyncio.Queue):
+        while True:
+            if time.monotonic() - self.checked >= POLL_S:
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    self.job.cancel.set()
+                    raise ConnectionResetError("the client disconnected")
+            try:
+                return await asyncio.wait_for(inbox.get(), POLL_S)
+            except asyncio.TimeoutError:
+                continue
 
 
 def _sse_line(payload: dict | str) -> str:
@@ -214,7 +244,7 @@ async def _sse(state: ServeState, ids: protocol.Ids, parsed: protocol.ParsedRequ
                 return
             event = item
         final = protocol.chunk(ids, event.text or None, reason=protocol.finish_reason(event, job.timed_out))
-        final["localctx"] = protocol.extension(event, _plan_of(state, job), parsed.context, job.timed_out)
+        final["localctx"] = protocol.extension(event, _plan_of(state, job), parsed, job.timed_out)
         yield _sse_line(final)
         if parsed.include_usage:
             yield _sse_line({**protocol.chunk(ids, None), "choices": [], "usage": protocol.usage(event)})

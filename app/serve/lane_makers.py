@@ -86,7 +86,7 @@ class OnePolicy(LaneMaker):
         raise AssertionError("refusal() refuses every policy a lane would open")
 
 
-def open_lanes(session: Session, streams: StreamSource, retry_after_s: int = 1) -> Lanes:
+def open_lanes(session: Session, streams: StreamSource, retry_after_s: int = 1, opens_per_minute: int = 0) -> Lanes:
     """The lanes of a server whose first lane is ``streams`` over ``session``, with the session's plan
     (on llama.cpp slots the session's own context is minimal: the slots hold that plan's KV)."""
     name = session.backend_name
@@ -104,4 +104,4 @@ def open_lanes(session: Session, streams: StreamSource, retry_after_s: int = 1) 
         pinned = not slots  # one stream at a time: its KV is the session's own context
     elif name == "fake":
         maker, pinned = FakeLanes(session), False
-    return Lanes(session.spec, session.plan, streams, maker, pinned, retry_after_s)
+    return Lanes(session.spec, session.plan, streams, maker, pinned, retry_after_s, opens_per_minute)

@@ -11,12 +11,20 @@ never fit that budget is refused (400); one that fits only once busy lanes finis
 with 503 and Retry-After; idle lanes are closed, least recently used first, to make room. A
 lane whose KV lives in the session the server keeps (``pinned``: llama.cpp serving one stream at
 a time, MLX) is never closed. Lanes run one after the other within a step: each reads the
-weights once for its streams (different KV layouts do not share one forward)."""
+weights once for its streams (different KV layouts do not share one forward).
+
+Opening a lane allocates a KV pool (or a llama.cpp context) on the scheduler thread, so the
+operator bounds it: ``opens_per_minute`` (``--kv-lanes N``; 0, the default, serves only the
+started policy and refuses other ones with 400), and past that bound a request that needs a new
+lane gets 503 with Retry-After. A lane maker that fails to open a lane, however it fails, is a
+LaneRefused (500 unless it refused the request, 400), never an exception out of ``choose``."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 
 from localctx.backends.generation.stream_source import StreamSource
@@ -78,11 +86,13 @@ class Lane:
 
 class Lanes:
     def __init__(self, spec: ModelSpec, served: Plan, streams: StreamSource, maker: LaneMaker, pinned: bool,
-                 retry_after_s: int = 1):
+                 retry_after_s: int = 1, opens_per_minute: int = 0):
         self.spec = spec
         self.served = served
         self.maker = maker
         self.retry_after_s = retry_after_s
+        self.opens_per_minute = opens_per_minute
+        self._opened_at: deque[float] = deque()  # when lanes were opened on a request's word, the last minute
         self.view = backend_view(served.backend, spec)[0]
         first = Lane(served, streams, self.lane_bytes(served), pinned)
         self.budget = max(served.kv_bytes, first.kv_bytes)
@@ -129,6 +139,7 @@ class Lanes:
         fitting = [lane for lane in self.lanes if lane.serves(policy, want)]
         if fitting:
             return min(fitting, key=lambda lane: lane.plan.context)
+        self._check_allowed(policy)
         self._check_runnable(policy)
         plan = self._plan(policy, want)
         if plan.kv_bytes > self.budget:
@@ -137,23 +148,44 @@ class Lanes:
                                    f"{self.served.policy} at {self.served.context:,} tokens); send a smaller "
                                    "localctx.context or a smaller policy, or start a server with that --kv",
                               "kv_budget_exceeded")
+        self._check_rate()
         whole = self._plan(policy, self.served.context) if want < self.served.context else plan
         if whole.kv_bytes <= self.budget - self.used_bytes():  # room for it without closing a lane: then a
             plan = whole  # lane at the served context serves later requests of any context
         need, want = plan.kv_bytes, plan.context
         closed = self._make_room(need, policy, want)
+        self._opened_at.append(time.monotonic())
         try:
             streams = self.maker.open(plan)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the maker raised, the request gets a LaneRefused
             self._reopen(closed)  # the idle lanes closed for it were closed for nothing: bring them back
             if isinstance(exc, UserError):
                 raise LaneRefused(400, f"KV policy {policy} at {want:,} tokens cannot be opened: {exc}",
                                   "kv_policy_unavailable") from None
-            raise
+            raise LaneRefused(500, f"opening a lane for KV policy {policy} at {want:,} tokens failed: "
+                                   f"{type(exc).__name__}: {exc}", "kv_lane_failed") from exc
         lane = Lane(plan, streams, need)
         self.lanes.append(lane)
         self.opened += 1
         return lane
+
+    def _check_allowed(self, policy: KVPolicy) -> None:
+        """A new lane only where the operator allows lanes (--kv-lanes)."""
+        if self.opens_per_minute <= 0:
+            raise LaneRefused(400, f"this server serves only its own KV policy ({self.served.policy}); per-request "
+                                   f"policies such as {policy} are off: omit localctx.kv, or start localctx serve "
+                                   "with --kv-lanes N to open up to N lanes a minute", "kv_lanes_off")
+
+    def _check_rate(self) -> None:
+        """At most ``opens_per_minute`` lanes opened in the last minute."""
+        now = time.monotonic()
+        while self._opened_at and now - self._opened_at[0] >= 60.0:
+            self._opened_at.popleft()
+        if len(self._opened_at) >= self.opens_per_minute:
+            wait = max(1, math.ceil(60.0 - (now - self._opened_at[0])))
+            raise LaneRefused(503, f"this server opens at most {self.opens_per_minute} KV lanes a minute "
+                                   f"(--kv-lanes) and has; retry after {wait} s, or send the policy an open lane "
+                                   "serves (GET /v1/models lists them)", "kv_lanes_busy", wait)
 
     def _check_runnable(self, policy: KVPolicy) -> None:
         reasons = list(self.view.refusals(policy))

@@ -2,9 +2,13 @@
 parameters and the ``localctx`` extension; building completions, chunks and errors.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; nothing in a request can name a
-file or another model (``model`` must be the served model's id, or absent)."""
+file or another model (``model`` must be the served model's id, or absent). Every field a request
+may carry is checked in one place: the numbers in ``NUMBERS`` (range, finite, kind), each other
+field by its own reader here; a body nested deeper than ``MAX_DEPTH`` is refused as it is parsed."""
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,8 +18,10 @@ from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 
-DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_TOKENS = 512  # an answer's limit when the request gives none (at most the server's cap)
+DEFAULT_MAX_TOKENS_CAP = 4096  # --max-tokens: the most tokens one answer may have
 MAX_STOPS = 4
+MAX_DEPTH = 64  # JSON nesting: OpenAI bodies need a handful of levels (a JSON schema a few more)
 ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -39,10 +45,44 @@ class ParsedRequest:
     context: int | None  # from the localctx extension
     chat: bool
     policy: KVPolicy | None = None  # from the localctx extension; None: the served policy
+    capped_from: int | None = None  # the max_tokens asked for, when the server's --max-tokens lowered it
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def parse_json(raw: bytes):
+    """The body as JSON: 400 for anything that is not strict JSON (NaN and Infinity are not) or that
+    nests deeper than MAX_DEPTH (Python's parser recurses: far deeper bodies stop it with a
+    RecursionError, answered here as a 400 too)."""
+    try:
+        body = json.loads(raw, parse_constant=_not_json)
+    except ApiError:
+        raise
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise _bad("the request body is not valid JSON") from None
+    if _depth(body) > MAX_DEPTH:
+        raise _bad(f"the request body nests JSON deeper than {MAX_DEPTH} levels")
+    return body
+
+
+def _not_json(name: str):
+    raise _bad(f"the request body holds {name}, which is not JSON: numbers must be finite")
+
+
+def _depth(value) -> int:
+    """How deeply lists and objects nest in ``value`` (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_DEPTH:
+            todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _content(value, i: int) -> str:
@@ -86,19 +126,58 @@ def parse_prompt(body: dict, chat: bool) -> Prompt:
     return _messages(body) if chat else _prompt_text(body)
 
 
-def _number(body: dict, name: str, kind, low: float | None, high: float | None, default):
+@dataclass(frozen=True)
+class Number:
+    """A numeric field: int or float, its inclusive range, its default when absent or null."""
+    kind: type
+    low: float
+    high: float
+    default: object = None
+
+
+INT32_MAX = 2 ** 31 - 1
+# Every number a request may carry, in one place: a value outside its range, not finite, or of the
+# wrong kind is a 400 naming the field. The penalties are accepted as OpenAI defines them and not
+# applied (no backend here has them).
+NUMBERS = {
+    "n": Number(int, 1, 1, 1),
+    "max_tokens": Number(int, 1, INT32_MAX),
+    "max_completion_tokens": Number(int, 1, INT32_MAX),
+    "temperature": Number(float, 0.0, 2.0, 1.0),
+    "top_p": Number(float, 0.0, 1.0, 1.0),
+    "top_k": Number(int, 0, INT32_MAX, 0),
+    "seed": Number(int, -2 ** 63, 2 ** 63 - 1),  # signed 64 bits, as OpenAI's API and torch take it
+    "presence_penalty": Number(float, -2.0, 2.0, 0.0),
+    "frequency_penalty": Number(float, -2.0, 2.0, 0.0),
+}
+
+
+def number(body: dict, name: str):
+    """``body[name]`` checked against NUMBERS[name] (its default when absent or null)."""
+    spec = NUMBERS[name]
     value = body.get(name)
     if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise _bad(f"'{name}' must be a number", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise _bad(f"'{name}' = {value} is out of range [{low}, {high}]", name)
-    return kind(value)
+        return spec.default
+    integral = isinstance(value, int) and not isinstance(value, bool)
+    if not (integral or (spec.kind is float and isinstance(value, float))):
+        raise _bad(f"'{name}' must be {'a whole number' if spec.kind is int else 'a number'}", name)
+    if not math.isfinite(value) or not spec.low <= value <= spec.high:
+        shown = value if math.isfinite(value) else str(value)
+        raise _bad(f"'{name}' = {shown} is out of range: give {_range(spec)}", name)
+    return spec.kind(value)
+
+
+def _range(spec: Number) -> str:
+    if spec.low == spec.high:
+        return f"{spec.low:g}"
+    low, high = (f"{int(v):,}" if spec.kind is int else f"{v:g}" for v in (spec.low, spec.high))
+    return f"{low} to {high}"
 
 
 def _flag(body: dict, name: str) -> bool:
     value = body.get(name, False)
+    if value is None:
+        return False
     if not isinstance(value, bool):
         raise _bad(f"'{name}' must be true or false", name)
     return value
@@ -114,30 +193,60 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse(body: dict, chat: bool, model_id: str, plan: Plan, trained_context: int) -> ParsedRequest:
+def _stream_options(body: dict) -> bool:
+    """Whether ``stream_options.include_usage`` asks for the usage chunk."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
+    return _flag(options, "include_usage")
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    """What the operator lets a request ask for (``localctx serve`` flags)."""
+    max_tokens: int = DEFAULT_MAX_TOKENS_CAP  # --max-tokens: longer answers are capped to it, and say so
+    ignore_eos: bool = False  # --allow-ignore-eos: whether a request may run past end-of-text
+
+
+def _max_tokens(body: dict, rules: RequestRules) -> tuple[int, int | None]:
+    """(the answer's limit, what the request asked for when the server's cap lowered it, else None)."""
+    asked = number(body, "max_completion_tokens")
+    if asked is None:
+        asked = number(body, "max_tokens")
+    if asked is None:
+        return min(DEFAULT_MAX_TOKENS, rules.max_tokens), None
+    return (rules.max_tokens, asked) if asked > rules.max_tokens else (asked, None)
+
+
+def parse(body, chat: bool, model_id: str, plan: Plan, trained_context: int,
+          rules: RequestRules = RequestRules()) -> ParsedRequest:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != model_id:
         raise ApiError(404, f"The model `{model}` does not exist: this server serves only `{model_id}` "
                             "(GET /v1/models)", param="model", code="model_not_found")
-    if _number(body, "n", int, 1, 1, 1) != 1:
-        raise _bad("'n' must be 1", "n")
-    max_tokens = _number(body, "max_completion_tokens", int, 1, None, None)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", int, 1, None, DEFAULT_MAX_TOKENS)
+    number(body, "n")
+    for unused in ("presence_penalty", "frequency_penalty"):
+        number(body, unused)
+    max_tokens, asked = _max_tokens(body, rules)
+    ignore_eos = _flag(body, "ignore_eos")
+    if ignore_eos and not rules.ignore_eos:
+        raise _bad("'ignore_eos' is off on this server (a client could make every answer run its max_tokens); "
+                   "start localctx serve with --allow-ignore-eos to allow it", "ignore_eos", "ignore_eos_off")
     params = GenerationParams(
-        max_tokens=max_tokens, temperature=_number(body, "temperature", float, 0, 2, 1.0),
-        top_p=_number(body, "top_p", float, 0, 1, 1.0), top_k=_number(body, "top_k", int, 0, None, 0),
-        seed=_number(body, "seed", int, None, None, None), stop=_stops(body), ignore_eos=_flag(body, "ignore_eos"))
+        max_tokens=max_tokens, temperature=number(body, "temperature"), top_p=number(body, "top_p"),
+        top_k=number(body, "top_k"), seed=number(body, "seed"), stop=_stops(body), ignore_eos=ignore_eos)
     if params.top_p == 0:
         params = GenerationParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
-    options = body.get("stream_options") or {}
     policy, context = _extension(body.get("localctx"), plan, trained_context)
     prompt = parse_prompt(body, chat)
-    return ParsedRequest(prompt=prompt, params=params, stream=bool(body.get("stream")),
-                         include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
-                         context=context, chat=chat, policy=policy)
+    stream = _flag(body, "stream")
+    return ParsedRequest(prompt=prompt, params=params, stream=stream,
+                         include_usage=_stream_options(body) if stream else False,
+                         context=context, chat=chat, policy=policy, capped_from=asked)
 
 
 def _extension(ext, plan: Plan, trained_context: int) -> tuple[KVPolicy | None, int | None]:
@@ -181,9 +290,13 @@ def usage(event: GenerationEvent) -> dict:
             "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
 
 
-def extension(event: GenerationEvent, plan: Plan, context: int | None, timed_out: bool) -> dict:
-    s = event.stats
-    return {"policy": s.policy, "exact": plan.exact, "kv_layout": plan.kv_layout, "kv_reserved_bytes": plan.kv_bytes,
+def extension(event: GenerationEvent, plan: Plan, parsed: ParsedRequest, timed_out: bool) -> dict:
+    """The ``localctx`` object of an answer; ``max_tokens_requested`` appears only when the server's
+    --max-tokens lowered the request's limit (its ``max_tokens`` is then that cap)."""
+    s, context = event.stats, parsed.context
+    capped = {} if parsed.capped_from is None else {"max_tokens": parsed.params.max_tokens,
+                                                    "max_tokens_requested": parsed.capped_from}
+    return {**capped, "policy": s.policy, "exact": plan.exact, "kv_layout": plan.kv_layout, "kv_reserved_bytes": plan.kv_bytes,
             "kv_bytes": s.kv_bytes, "kv_tokens": s.kv_tokens,
             "evicted_tokens": s.evicted_tokens, "cached_tokens": s.cached_tokens, "shifted_tokens": s.shifted_tokens,
             "context": context or plan.context, "backend": s.backend,
@@ -202,7 +315,7 @@ class Ids:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def whole(ids: Ids, text: str, done: GenerationEvent, plan: Plan, context: int | None, timed_out: bool) -> dict:
+def whole(ids: Ids, text: str, done: GenerationEvent, plan: Plan, parsed: ParsedRequest, timed_out: bool) -> dict:
     reason = finish_reason(done, timed_out)
     if ids.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
@@ -212,7 +325,7 @@ def whole(ids: Ids, text: str, done: GenerationEvent, plan: Plan, context: int |
         choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         head = ids.head("text_completion")
     return {**head, "choices": [choice], "usage": usage(done),
-            "localctx": extension(done, plan, context, timed_out)}
+            "localctx": extension(done, plan, parsed, timed_out)}
 
 
 def chunk(ids: Ids, text: str | None, reason: str | None = None, first: bool = False) -> dict:

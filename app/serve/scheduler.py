@@ -4,11 +4,18 @@ room (a slot, and KV within the plan), and every live stream advances one token 
 
 A job talks back through ``emit``: first either a ``Refused`` (nothing was generated: the HTTP
 side answers with that status) or the first GenerationEvent, then events up to "done", or a
-``Failed`` if the backend broke mid-stream. Setting ``job.cancel`` (client gone, deadline
-passed) ends a live stream at its next token and drops a waiting one."""
+``Failed`` if its stream failed mid-way. Setting ``job.cancel`` (client gone, deadline passed)
+ends a live stream at its next token (or prefill chunk) and drops a waiting one.
+
+Whatever fails — a lane that cannot open, a sampler that cannot be built, a prefill, a decode
+step, this loop itself — fails the requests it touched, not the thread: the scheduler goes on
+serving the others (the stream sources return the slots: backends/generation/slots.py). The
+prompt is tokenized before the job is submitted (``tokenize``, on the HTTP side's worker thread),
+so a long prompt's tokenization does not stall the streams this thread decodes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import deque
@@ -18,7 +25,7 @@ from typing import Callable
 from localctx.app.serve.lane_makers import open_lanes
 from localctx.app.serve.lanes import Lane, LaneRefused, Lanes
 from localctx.backends.base import GenerationParams, Prompt, Session, check_prompt_fits
-from localctx.backends.generation.stream_source import StreamSource
+from localctx.backends.generation.stream_source import StreamFailed, StreamSource
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -52,6 +59,8 @@ class ServeJob:
     started_at: float | None = None
     timed_out: bool = False
     lane: Lane | None = None  # set when it starts: the lane it runs in, whose plan the response reports
+    ids: list[int] | None = None  # the prompt's tokens (Scheduler.tokenize), where the source takes them
+    n_prompt: int | None = None  # how many tokens the prompt has, when known before it starts
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,10 @@ class Limits:
     max_queue: int = 32  # requests waiting beyond the live ones; more are refused with 503
     queue_timeout_s: float = 120.0  # a request that waited this long is refused with 503
     retry_after_s: int = 1
+    kv_lanes_per_min: int = 0  # --kv-lanes: lanes for other KV policies opened a minute at most (0: none)
+
+
+log = logging.getLogger("localctx.serve")
 
 
 class Scheduler:
@@ -66,7 +79,8 @@ class Scheduler:
         """``streams``: the first lane's stream source (streams.make_streams / open_streams); lanes for
         other KV policies open beside it on demand (lanes.py)."""
         self.session = session
-        self.streams: Lanes = open_lanes(session, streams, limits.retry_after_s)
+        self.streams: Lanes = open_lanes(session, streams, limits.retry_after_s, limits.kv_lanes_per_min)
+        self._tokenizer = streams  # the served lane's source: every lane shares its tokenizer
         self.limits = limits
         self._waiting: deque[ServeJob] = deque()
         self._live: dict[int, ServeJob] = {}  # id(stream) -> job
@@ -85,6 +99,12 @@ class Scheduler:
             self._waiting.append(job)
             self._cond.notify()
             return True
+
+    def tokenize(self, prompt: Prompt) -> tuple[list[int] | None, int]:
+        """(the prompt's tokens where the stream source takes them, else None; their count): called
+        off this thread, before ``submit``. It only reads the tokenizer."""
+        ids = self._tokenizer.tokenize(prompt)
+        return ids, len(ids) if ids is not None else self.session.count_tokens(prompt)
 
     def wake(self) -> None:
         with self._cond:
@@ -119,16 +139,28 @@ class Scheduler:
                     self._cond.wait(0.5)
                 if self._stopping and not self._live:
                     return
-            self._admit()
-            self._check_deadlines()
-            if self._live:
-                self._step()
-            else:
-                with self._cond:
-                    if self._waiting:
-                        self._cond.wait(0.05)  # nothing live and nothing could start: do not spin
+            try:
+                self._admit()
+                self._check_deadlines()
+                if self._live:
+                    self._step()
+                else:
+                    with self._cond:
+                        if self._waiting:
+                            self._cond.wait(0.05)  # nothing live and nothing could start: do not spin
+            except Exception as exc:  # noqa: BLE001 - a bug here must not take the server down with it
+                log.exception("the scheduler failed; failing the live requests and going on")
+                self._fail_live(f"the server failed: {type(exc).__name__}: {exc}")
+
+    def _fail_live(self, message: str) -> None:
+        for lane in self.streams.busy_lanes():
+            lane.streams.cancel_all()
+        for key, job in list(self._live.items()):
+            job.emit(Failed(message))
+            del self._live[key]
 
     def _admit(self) -> None:
+        self._drop_cancelled()
         while True:
             with self._cond:
                 if not self._waiting or self._stopping:
@@ -147,6 +179,12 @@ class Scheduler:
                 return
             self._pop(job)
 
+    def _drop_cancelled(self) -> None:
+        """Waiting requests whose clients left, wherever they are in the queue."""
+        with self._cond:
+            if any(job.cancel.is_set() for job in self._waiting):
+                self._waiting = deque(job for job in self._waiting if not job.cancel.is_set())
+
     def _pop(self, job: ServeJob) -> None:
         with self._cond:
             if self._waiting and self._waiting[0] is job:
@@ -160,14 +198,18 @@ class Scheduler:
             job.emit(Refused(r.status, r.message, type="server_error" if r.status >= 500 else "invalid_request_error",
                              code=r.code, param="localctx.kv", retry_after=r.retry_after))
             return "refused"
+        except Exception as exc:  # noqa: BLE001 - lanes.py turns failures into LaneRefused; anything else is a bug
+            log.exception("choosing a lane failed")
+            job.emit(Refused(500, f"{session.backend_name} failed to open a lane: {exc}", type="server_error"))
+            return "refused"
         try:
             params = self._fit(job, lane.plan)
-            started = lane.streams.start(job.prompt, params, job.cancel)
+            started = lane.streams.start(job.prompt, params, job.cancel, job.ids)
         except UserError as exc:
             job.emit(Refused(400, str(exc), code="context_length_exceeded" if "context" in str(exc) else None,
                              param="messages"))
             return "refused"
-        except Exception as exc:  # the backend failed before anything was sent
+        except Exception as exc:  # noqa: BLE001 - the backend failed before anything was sent
             job.emit(Refused(500, f"{session.backend_name} failed: {exc}", type="server_error"))
             return "refused"
         if started is None:
@@ -176,7 +218,7 @@ class Scheduler:
         self.streams.used(lane)
         job.lane = lane
         job.started_at = time.monotonic()
-        if first is None:  # the source prefills it in its next step, which sends the first event
+        if first is None:  # the source prefills it in its next steps, which send the first event
             self._live[id(stream)] = job
             return "started"
         if first.kind == "done":
@@ -192,7 +234,7 @@ class Scheduler:
         if job.context is None:
             return job.params
         plan = dataclasses.replace(lane_plan, context=job.context)
-        n = self.session.count_tokens(job.prompt)
+        n = job.n_prompt if job.n_prompt is not None else self.session.count_tokens(job.prompt)
         check_prompt_fits(n, plan, self.session.spec, job.params.max_tokens)
         if plan.policy.evicts or job.params.max_tokens <= job.context - n:
             return job.params
@@ -212,7 +254,8 @@ class Scheduler:
     def _step_lane(self, lane: Lane) -> None:
         try:
             events = lane.streams.step()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the source is broken: every stream of this lane fails
+            log.exception("a %s step failed", self.session.backend_name)
             lane.streams.cancel_all()
             for key, job in list(self._live.items()):
                 if job.lane is lane:
@@ -222,6 +265,10 @@ class Scheduler:
         for stream, event in events:
             job = self._live.get(id(stream))
             if job is None:
+                continue
+            if isinstance(event, StreamFailed):
+                del self._live[id(stream)]
+                job.emit(Failed(f"{self.session.backend_name}: {event.message}"))
                 continue
             if event.kind == "done":
                 del self._live[id(stream)]

@@ -9,8 +9,8 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from localctx.backends.base import GenerationEvent
-from localctx.backends.generation.stream_source import StreamSource
+from localctx.backends.base import GenerationEvent, Prompt
+from localctx.backends.generation.stream_source import StreamFailed, StreamSource
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -49,10 +49,12 @@ def choose_slot(slots: list[Slot], ids: list[int]) -> tuple[Slot, int] | None:
 class SlotStreams(StreamSource):
     """A batching StreamSource over conversation slots (torch's SlotBatcher, llama.cpp's LlamaSlots).
 
-    Each live stream has a ``slot`` and ``events`` (its event stream; None until the source
-    prefills it). A stream that ends leaves its slot idle and holding its conversation, unless it
-    failed or the slot's cache is out of step with its ``history`` (``_in_step``): then the slot
-    forgets it (``_forget``)."""
+    Each live stream has a ``slot`` and ``events`` (its event stream; None until the source has
+    prefilled its prompt, a chunk per step). A stream that ends leaves its slot idle and holding
+    its conversation, unless it failed or the slot's cache is out of step with its ``history``
+    (``_in_step``): then the slot forgets it (``_forget``). The one invariant: every way a stream
+    ends — done, cancelled, failed alone, failed with a shared forward, ``start`` raising after it
+    took its slot — goes through ``_end``, which frees the slot."""
 
     def __init__(self, session, slots: list[Slot]):
         self.session = session
@@ -72,6 +74,9 @@ class SlotStreams(StreamSource):
     def capacity(self) -> int:
         return len(self.slots)
 
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return self.session.tokenize(prompt)
+
     @abstractmethod
     def _in_step(self, live) -> bool:
         """Whether ``live``'s slot holds exactly the tokens of its history in its cache."""
@@ -86,19 +91,21 @@ class SlotStreams(StreamSource):
     def _end(self, live, failed: bool = False) -> None:
         if live in self.live:
             self.live.remove(live)
-        if live.events is not None:
-            live.events.close()
-        self._free(live)
         slot = live.slot
-        slot.busy = False
-        slot.last_used = time.monotonic()
-        if failed or not self._in_step(live):
-            self._forget(slot)  # failed, or cache and history out of step: forget the conversation
+        try:
+            if live.events is not None:
+                live.events.close()
+            self._free(live)
+        finally:  # the slot is returned whatever closing its stream did
+            slot.busy = False
+            slot.last_used = time.monotonic()
+            if failed or not self._in_step(live):
+                self._forget(slot)  # failed, or cache and history out of step: forget the conversation
 
     @contextlib.contextmanager
     def _end_on_error(self, live: list) -> Iterator[None]:
-        """Ends every stream of ``live``, failed, when the block raises (their forward is shared: none
-        of their caches can be trusted), and raises on."""
+        """Ends every stream of ``live``, failed, when the block raises, and raises on (``start``,
+        after the stream took its slot)."""
         try:
             yield
         except BaseException:
@@ -106,11 +113,24 @@ class SlotStreams(StreamSource):
                 self._end(s, failed=True)
             raise
 
-    def _next_events(self, live: list) -> list[tuple[object, GenerationEvent]]:
-        """Each stream's next event, in order; a stream whose event is "done" ends."""
-        out = []
+    def _fail(self, live: list, exc: BaseException, what: str) -> list[tuple[object, StreamFailed]]:
+        """Ends each stream of ``live``, failed (``what`` failed for them: their caches cannot be
+        trusted); returns their StreamFailed events."""
+        failed = StreamFailed(f"{what} failed: {type(exc).__name__}: {exc}")
         for s in live:
-            event = next(s.events)
+            self._end(s, failed=True)
+        return [(s, failed) for s in live]
+
+    def _next_events(self, live: list) -> list[tuple[object, GenerationEvent | StreamFailed]]:
+        """Each stream's next event, in order; a stream whose event is "done" ends, and one whose
+        event stream raises (its sampler, its text) fails alone."""
+        out: list = []
+        for s in live:
+            try:
+                event = next(s.events)
+            except Exception as exc:  # noqa: BLE001 - this stream's own failure
+                out += self._fail([s], exc, "the stream")
+                continue
             out.append((s, event))
             if event.kind == "done":
                 self._end(s)

@@ -15,18 +15,33 @@ from typing import Generator, Iterator
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, Session
 
 
+@dataclass(frozen=True)
+class StreamFailed:
+    """What ``step`` gives for a stream that failed alone (its sampler, its prefill, its text): the
+    stream has ended and its slot is free; the other streams go on."""
+    message: str
+
+
 class StreamSource(ABC):
     """A source of streams over one loaded ``session``, driven from one thread (the scheduler's).
 
-    ``start(prompt, params, cancel)`` admits a request and returns ``(stream, first event)``, or
-    ``(stream, None)`` when the source prefills it in its next ``step`` (which then returns its first
-    event: the torch batcher does, so that streams joining together prefill together), or None when
-    it has to wait (no free slot, or not enough KV now); it raises UserError for a request that can
-    never run (the server answers 400) and any other exception when the backend failed.
+    ``tokenize(prompt)`` gives the prompt's token ids, or None where the source tokenizes inside
+    ``start`` (SequentialStreams: its session does, one stream at a time). It only reads the
+    tokenizer, so the server calls it on another thread, and hands the ids to ``start``.
 
-    ``step()`` advances every live stream by one token and returns ``(stream, event)`` for each; a
-    stream whose event is "done" has ended. When ``step`` raises, the backend failed: the caller
-    fails every live stream and ends them with ``cancel_all``.
+    ``start(prompt, params, cancel, ids)`` admits a request and returns ``(stream, first event)``, or
+    ``(stream, None)`` when the source prefills it in later ``step``s (which then return its first
+    event: the batching sources do, a chunk of prompt per step, so that a long prompt delays the
+    other streams by at most one chunk), or None when it has to wait (no free slot, or not enough
+    KV now); it raises UserError for a request that can never run (the server answers 400) and any
+    other exception when it failed. Whatever ``start`` raises, it holds nothing afterwards: no slot
+    stays taken.
+
+    ``step()`` advances every live stream by one token (or one prefill chunk) and returns
+    ``(stream, event)`` for each stream that has one: a GenerationEvent ("done" ends the stream) or
+    a ``StreamFailed`` (that stream alone failed and has ended; a forward that several streams
+    share fails each of them). When ``step`` itself raises, the source is broken: the caller fails
+    every live stream and ends them with ``cancel_all``.
     A stream is an opaque key: the caller only compares it (``id(stream)``).
     ``cancel_all()`` ends every live stream; ``close()`` also frees what the source holds.
 
@@ -48,12 +63,15 @@ class StreamSource(ABC):
     @abstractmethod
     def capacity(self) -> int: ...
 
-    @abstractmethod
-    def start(self, prompt: Prompt, params: GenerationParams, cancel: threading.Event | None
-              ) -> tuple[object, GenerationEvent | None] | None: ...
+    def tokenize(self, prompt: Prompt) -> list[int] | None:
+        return None
 
     @abstractmethod
-    def step(self) -> list[tuple[object, GenerationEvent]]: ...
+    def start(self, prompt: Prompt, params: GenerationParams, cancel: threading.Event | None,
+              ids: list[int] | None = None) -> tuple[object, GenerationEvent | None] | None: ...
+
+    @abstractmethod
+    def step(self) -> list[tuple[object, GenerationEvent | StreamFailed]]: ...
 
     @abstractmethod
     def cancel_all(self) -> None: ...
@@ -87,8 +105,8 @@ class SequentialStreams(StreamSource):
     def capacity(self) -> int:
         return 1
 
-    def start(self, prompt: Prompt, params: GenerationParams,
-              cancel: threading.Event | None) -> tuple[OneStream, GenerationEvent] | None:
+    def start(self, prompt: Prompt, params: GenerationParams, cancel: threading.Event | None,
+              ids: list[int] | None = None) -> tuple[OneStream, GenerationEvent] | None:
         if self.current is not None:
             return None
         one = OneStream(iter(self.session.generate(prompt, params, cancel)))
@@ -111,11 +129,14 @@ class SequentialStreams(StreamSource):
         if one is not None and isinstance(one.events, Generator):
             one.events.close()
 
-    def step(self) -> list[tuple[OneStream, GenerationEvent]]:
+    def step(self) -> list[tuple[OneStream, GenerationEvent | StreamFailed]]:
         one = self.current
         if one is None:
             return []
-        return [(one, self._next(one))]
+        try:
+            return [(one, self._next(one))]
+        except Exception as exc:  # noqa: BLE001 - this stream's failure, reported as its own (it has ended)
+            return [(one, StreamFailed(f"{type(exc).__name__}: {exc}"))]
 
     def cancel_all(self) -> None:
         self._end()

@@ -40,6 +40,7 @@ class DecodeSequence:
     to_feed: int | None = None  # sampled, not yet decoded into the cache
     n_past: int = 0
     finished: bool = False
+    error: str | None = None  # its sampler failed: nothing more is sampled for it
 
 
 def sampler_chain(params: GenerationParams):
@@ -56,9 +57,15 @@ def sampler_chain(params: GenerationParams):
     if params.top_p < 1.0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
     llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(params.temperature))
-    seed = params.seed if params.seed is not None else llama_cpp.LLAMA_DEFAULT_SEED
+    seed = llama_seed(params.seed) if params.seed is not None else llama_cpp.LLAMA_DEFAULT_SEED
     llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+def llama_seed(seed: int) -> int:
+    """llama.cpp's samplers take a 32-bit seed, and 0xFFFFFFFF (LLAMA_DEFAULT_SEED) means a random
+    one: any integer seed folds to 0 .. 2**32 - 2, the same seed always to the same value."""
+    return seed % 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -143,10 +150,14 @@ class BatchDecoder:
         if code != 0:
             raise RuntimeFailure(f"llama_decode failed with code {code} for a batch of {len(entries)} tokens")
         for j, (seq, _token, _pos, want_logits) in enumerate(entries):
-            if want_logits and not seq.finished:
+            if want_logits and not seq.finished and seq.error is None:
                 if self.captured is not None:
                     self._capture(seq, j)
-                token = self.llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, j)
+                try:
+                    token = self.llama_cpp.llama_sampler_sample(seq.sampler, self.ctx, j)
+                except Exception as exc:  # noqa: BLE001 - this sequence's own sampler: the others go on
+                    seq.error = f"{type(exc).__name__}: {exc}"
+                    continue
                 seq.pending.append(token)
                 seq.to_feed = token
 
@@ -176,6 +187,8 @@ class BatchDecoder:
                     self._prefill()
                 if not seq.pending:
                     self._step()
+                if seq.error is not None:
+                    raise RuntimeFailure(f"llama.cpp's sampler failed: {seq.error}")
                 if not seq.pending:
                     return
                 yield seq.pending.popleft()

@@ -6,7 +6,10 @@ as llama.cpp's own server does, so all slots together hold the plan's KV. ``open
 the session with a minimal context of its own (``OWN_CONTEXT`` cells: the tokenizer and weights
 are what the slots share with it), so the server holds the plan's KV once, not twice. Each live stream feeds
 its last token in one shared ``llama_decode`` per step (the weights are read once per step), and
-streams join and leave between steps. A slot keeps its cells after its request: a follow-up
+streams join and leave between steps. A new stream's prompt is prefilled a chunk (``n_batch``
+tokens) per step, in a ``llama_decode`` of its own after the others' decode: a long prompt delays
+the streams decoding beside it by one chunk a step, and a prefill that fails fails only the
+streams it prefilled. A slot keeps its cells after its request: a follow-up
 that extends the conversation removes only the cells past the common prefix
 (``llama_memory_seq_rm``) and prefills the rest; with ``cache_reuse`` (``--cache-reuse N``) a
 follow-up that drops a middle message also keeps the cached runs after it, moved into place
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -26,6 +30,7 @@ from localctx.backends.llamacpp.allocation import held_bytes
 from localctx.backends.llamacpp.batch import CONTEXT_PAD, BatchDecoder, DecodeSequence, KVTypes, sampler_chain
 from localctx.backends.llamacpp.cache_reuse import move_runs, plan_moves
 from localctx.backends.generation.slots import Slot, SlotStreams, choose_slot, common_prefix
+from localctx.backends.generation.stream_source import StreamFailed
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.kvcache.errors import UserError
 
@@ -33,8 +38,16 @@ from localctx.kvcache.errors import UserError
 @dataclass
 class LiveStream:
     slot: Slot
-    seq: DecodeSequence
-    events: Iterator[GenerationEvent] | None = None
+    seq: DecodeSequence  # seq.n_past: the prompt tokens in its cells so far, then every token
+    params: GenerationParams
+    clock: StatsClock
+    cancel: threading.Event | None = None
+    events: Iterator[GenerationEvent] | None = None  # None until its prompt is prefilled
+    prefill_started: float | None = None  # perf_counter when its first prefill chunk ran
+
+    @property
+    def prefilling(self) -> bool:
+        return self.events is None
 
 
 OWN_CONTEXT = CONTEXT_PAD  # cells of the session's own context beside the slots' (llama.cpp's minimum pad)
@@ -70,8 +83,10 @@ class LlamaSlots(SlotStreams):
         super().__init__(session, [Slot(i) for i in range(n_slots)])
         self.decoder = BatchDecoder(session.llm, per_slot * n_slots, n_slots, n_batch=session.llm.n_batch,
                                     kv=KVTypes(*self.settings.type_ids(), self.settings.flash_attn))
-        self.decoder.prefilled = True  # prompts are prefilled here, one at a time as they arrive
+        self.decoder.prefilled = True  # prompts are prefilled here, a chunk per step as they arrive
         self.llama_cpp = self.decoder.llama_cpp
+        self.prefill_chunk = self.decoder.n_batch
+        self.prefill_steps: list[int] = []  # prompt tokens prefilled in each step that prefilled (the last 64)
 
     def _reusable(self, slot: Slot, ids: list[int]) -> tuple[int, list]:
         """(common prefix, runs that chunk reuse would move) of ``slot`` for ``ids``."""
@@ -93,10 +108,10 @@ class LlamaSlots(SlotStreams):
         self.llama_cpp.llama_memory_seq_rm(self.decoder.memory, slot.seq_id, keep, -1)
         del slot.history[keep:]
 
-    def start(self, prompt: Prompt, params: GenerationParams,
-              cancel: threading.Event | None) -> tuple[LiveStream, GenerationEvent] | None:
+    def start(self, prompt: Prompt, params: GenerationParams, cancel: threading.Event | None,
+              ids: list[int] | None = None) -> tuple[LiveStream, None] | None:
         s = self.session
-        ids = s.tokenize(prompt)
+        ids = s.tokenize(prompt) if ids is None else ids
         try:
             slot_plan = dataclasses.replace(self.plan, context=self.per_slot)
             check_prompt_fits(len(ids), slot_plan, s.spec, params.max_tokens)
@@ -108,55 +123,106 @@ class LlamaSlots(SlotStreams):
         choice = self._choose(ids)
         if choice is None:
             return None
+        sampler = sampler_chain(params)  # before the slot is taken: a sampler that cannot be built holds nothing
         slot, shared, moves = choice
-        if moves:  # cells of the old conversation past the last moved run: _forget drops them below
-            move_runs(self.llama_cpp, self.decoder.memory, slot.seq_id, moves)
-            shared = moves[-1].dst + moves[-1].n
-            slot.history[:] = ids[:shared]
-        reused = min(shared, len(ids) - 1)  # at least one token is decoded, for the logits
-        self._forget(slot, reused)
+        try:
+            if moves:  # cells of the old conversation past the last moved run: _forget drops them below
+                move_runs(self.llama_cpp, self.decoder.memory, slot.seq_id, moves)
+                shared = moves[-1].dst + moves[-1].n
+                slot.history[:] = ids[:shared]
+            reused = min(shared, len(ids) - 1)  # at least one token is decoded, for the logits
+            self._forget(slot, reused)
+        except BaseException:
+            self.llama_cpp.llama_sampler_free(sampler)
+            self._forget(slot)
+            raise
         slot.busy = True
-        seq = DecodeSequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=sampler_chain(params),
-                             n_past=reused)
-        live = LiveStream(slot, seq)
+        seq = DecodeSequence(index=slot.seq_id, seq_id=slot.seq_id, prompt=ids, sampler=sampler, n_past=reused)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=reused, shifted_tokens=sum(m.n for m in moves))
+        live = LiveStream(slot, seq, params, clock, cancel)
+        self.live.append(live)
+        return live, None  # prefilled by the next steps, a chunk at a time
+
+    def _begin_events(self, live: LiveStream) -> None:
+        s, seq = self.session, live.seq
 
         def kv() -> tuple[int, int, int]:
             return held_bytes(s.spec, self.settings.type_k, self.settings.type_v, seq.n_past), seq.n_past, 0
 
         live.events = stream(self._tokens(live), token_bytes=lambda t: s.llm.detokenize([t], special=False),
-                             eos=s.eog, params=params, clock=clock, probe=KVProbe(kv), cancel=cancel)
-        self.live.append(live)
-        with self._end_on_error([live]):
-            first = next(live.events)
-        if first.kind == "done":
-            self._end(live)
-        return live, first
+                             eos=s.eog, params=live.params, clock=live.clock, probe=KVProbe(kv), cancel=live.cancel,
+                             started=live.prefill_started)
 
     def _tokens(self, live: LiveStream) -> Iterator[int]:
-        seq, slot = live.seq, live.slot
-        last = len(seq.prompt) - 1
-        self.decoder.decode([(seq, tok, pos, pos == last) for pos, tok in enumerate(seq.prompt) if pos >= seq.n_past])
-        slot.history.extend(seq.prompt[seq.n_past:])
-        seq.n_past = len(seq.prompt)
+        seq = live.seq
         while seq.pending:
             yield seq.pending.popleft()  # ``step`` decodes it and samples the next one before asking again
 
-    def step(self) -> list[tuple[LiveStream, GenerationEvent]]:
-        live = [s for s in self.live if s.seq.to_feed is not None]
-        if not live:
-            return []
-        self.widest = max(self.widest, len(live))
-        entries = []
-        for s in live:
-            entries.append((s.seq, s.seq.to_feed, s.seq.n_past, True))
-            s.slot.history.append(s.seq.to_feed)
-            s.seq.n_past += 1
-            s.seq.to_feed = None
-        with self._end_on_error(live):
+    def _prefill(self, joining: list[LiveStream]) -> tuple[list[LiveStream], list]:
+        """At most one chunk of the joining streams' prompts, oldest first, in one ``llama_decode``
+        (logits at each prompt's last token: its first token is sampled). Returns (streams ready
+        for their first event, StreamFailed events of those whose prefill failed)."""
+        ready = [s for s in joining if s.cancel is not None and s.cancel.is_set()]
+        entries: list = []
+        touched: list[tuple[LiveStream, int]] = []
+        budget = self.prefill_chunk
+        for s in joining:
+            if s in ready or budget == 0:
+                continue
+            seq, last = s.seq, len(s.seq.prompt) - 1
+            take = min(budget, len(seq.prompt) - seq.n_past)
+            entries += [(seq, seq.prompt[pos], pos, pos == last) for pos in range(seq.n_past, seq.n_past + take)]
+            touched.append((s, take))
+            budget -= take
+        if not entries:
+            return ready, []
+        now = time.perf_counter()
+        for s, _ in touched:
+            s.prefill_started = s.prefill_started or now
+        try:
             self.decoder.decode(entries)
-        return self._next_events(live)
+        except Exception as exc:  # noqa: BLE001 - these prompts' decode: only their streams fail
+            return ready, self._fail([s for s, _ in touched], exc, "the prefill")
+        self.prefill_steps = (self.prefill_steps + [len(entries)])[-64:]
+        failed: list = []
+        for s, take in touched:
+            seq = s.seq
+            s.slot.history.extend(seq.prompt[seq.n_past:seq.n_past + take])
+            seq.n_past += take
+            if seq.n_past < len(seq.prompt):
+                continue
+            if seq.error is not None:
+                failed += self._fail([s], RuntimeError(seq.error), "the sampler")
+            else:
+                ready.append(s)
+        return ready, failed
+
+    def step(self) -> list[tuple[LiveStream, GenerationEvent | StreamFailed]]:
+        decoding = [s for s in self.live if not s.prefilling and s.seq.to_feed is not None]
+        joining = [s for s in self.live if s.prefilling]
+        out: list = []
+        if decoding:
+            self.widest = max(self.widest, len(decoding))
+            entries = []
+            for s in decoding:
+                entries.append((s.seq, s.seq.to_feed, s.seq.n_past, True))
+                s.slot.history.append(s.seq.to_feed)
+                s.seq.n_past += 1
+                s.seq.to_feed = None
+            try:
+                self.decoder.decode(entries)
+            except Exception as exc:  # noqa: BLE001 - one decode for all of them: each of them fails
+                out += self._fail(decoding, exc, "the decode step")
+                decoding = []
+            for s in [s for s in decoding if s.seq.error is not None]:
+                out += self._fail([s], RuntimeError(s.seq.error), "the sampler")
+                decoding.remove(s)
+        ready, failed = self._prefill(joining) if joining else ([], [])
+        out += failed
+        for s in ready:
+            self._begin_events(s)
+        return out + self._next_events(ready + decoding)
 
     def _free(self, live: LiveStream) -> None:
         seq = live.seq

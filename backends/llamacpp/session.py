@@ -24,6 +24,7 @@ from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, S
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
+from localctx.backends.llamacpp.batch import llama_seed
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits
 from localctx.backends.models.ref import ModelRef
@@ -276,7 +277,7 @@ class LlamaCppSession(Session):
         self._disk_prefix(prompt_ids, clock)
         self._reuse_chunks(prompt_ids, clock)
         if params.seed is not None:
-            self.llm.set_seed(params.seed)
+            self.llm.set_seed(llama_seed(params.seed))  # a 32-bit seed: folded, never truncated
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
             yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature)
             return "stop"

@@ -4,14 +4,18 @@ Each slot is a cache sequence that outlives its request: it keeps the tokens it 
 (``history``), so a follow-up request that extends the same conversation keeps the longest
 common prefix and prefills only the rest. Live streams are decoded together, one forward per
 step for all of them (the weights are read once per step), and join and leave between steps.
-Streams that join in the same step are prefilled together (``Engine.prefill_together``: one
-forward for prompts of similar length), before that step's decode of the others.
+Prompts are prefilled between those steps, at most one prefill chunk (``prefill_chunk`` tokens) a
+step: streams that join together and fit in it are prefilled together (``Engine.prefill_together``:
+one forward for prompts of similar length), a longer prompt a chunk per step, so a long prompt
+delays the streams that decode beside it by one chunk a step, never by its whole prefill.
 
 Memory never runs out mid-generation: a stream is admitted only while the worst case of every
 live stream (prompt + max answer, capped at what the KV policy ever holds) plus what the idle
 slots hold fits the pool; idle slots' histories are dropped, least recently used first, to make
 room. A request that could never fit is refused (UserError); one that does not fit now waits.
-Each stream runs through the shared ``stream`` loop (stops, limits, UTF-8, cancellation)."""
+Each stream runs through the shared ``stream`` loop (stops, limits, UTF-8, cancellation). A
+stream's own failure (its sampler, its prefill) ends it alone; a failed decode forward ends the
+streams it decoded; either way their slots are free again (backends/generation/slots.py)."""
 from __future__ import annotations
 
 import threading
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 from localctx.backends.generation.slots import Slot, SlotStreams, choose_slot
+from localctx.backends.generation.stream_source import StreamFailed
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.backends.torch.sampling import Sampler
@@ -40,14 +45,17 @@ class LiveStream:
     worst_blocks: int
     sampler: Sampler
     cancel: threading.Event | None = None
-    events: Iterator[GenerationEvent] | None = None  # None until the step that prefills it
+    events: Iterator[GenerationEvent] | None = None  # None until the step that ends its prefill
     pending: int = -1  # sampled, not yet decoded into the cache
+    prefilled: int = 0  # prompt tokens in its slot's cache so far (from ``reused``)
+    prefill_started: float | None = None  # perf_counter when its first prefill chunk ran
 
 
 class SlotBatcher(SlotStreams):
-    """``start`` a request (its slot and memory; the first event comes from the next ``step``) or
-    get None when it must wait; ``step`` prefills the streams that joined since the last one, all
-    together, decodes every other live stream once, and returns each one's next event."""
+    """``start`` a request (its slot and memory; the first event comes from a later ``step``) or
+    get None when it must wait; ``step`` prefills at most ``prefill_chunk`` prompt tokens of the
+    streams that joined (oldest first), decodes every other live stream once, and returns each
+    one's next event (a stream whose prefill ended: its first)."""
 
     session: "TorchSession"
     live: list[LiveStream]
@@ -58,6 +66,8 @@ class SlotBatcher(SlotStreams):
         self.cache = session.engine.cache
         self.pool = self.cache.pool
         session.reset()  # the session's own conversation would hold blocks the slots need
+        self.prefill_chunk = self.engine.options.prefill_chunk
+        self.prefill_steps: list[int] = []  # prompt tokens prefilled in each step that prefilled (the last 64)
         self._waiting_prompt: Prompt | None = None
         self._waiting_ids: list[int] = []
         self._lock = session.engine_lock  # the session's own generate/generate_batch must not run meanwhile
@@ -82,11 +92,12 @@ class SlotBatcher(SlotStreams):
         return self.cache.has(seq_id) and self.cache.length(seq_id) == len(live.slot.history)
 
     # -- admission -------------------------------------------------------------------------
-    def start(self, prompt: Prompt, params: GenerationParams,
-              cancel: threading.Event | None) -> tuple[LiveStream, None] | None:
-        if self._waiting_prompt is not prompt:  # a request that waits is asked again every step
-            self._waiting_prompt, self._waiting_ids = prompt, self.session.tokenize(prompt)
-        ids = self._waiting_ids
+    def start(self, prompt: Prompt, params: GenerationParams, cancel: threading.Event | None,
+              ids: list[int] | None = None) -> tuple[LiveStream, None] | None:
+        if ids is None:
+            if self._waiting_prompt is not prompt:  # a request that waits is asked again every step
+                self._waiting_prompt, self._waiting_ids = prompt, self.session.tokenize(prompt)
+            ids = self._waiting_ids
         params = self.session.capped(len(ids), params)  # UserError when the prompt cannot fit
         worst = self._held_blocks(len(ids) + params.max_tokens)
         if worst > self.pool.n_blocks:
@@ -106,24 +117,29 @@ class SlotBatcher(SlotStreams):
             self._forget(victim)
         if committed + held_idle + worst > self.pool.n_blocks:
             return None  # waits until a live stream finishes
+        sampler = Sampler(params)  # before the slot is taken: a sampler that cannot be built holds nothing
         with self._lock:
-            return self._begin(slot, shared, ids, params, worst, cancel)
+            return self._begin(slot, shared, ids, params, worst, sampler, cancel)
 
     def _begin(self, slot: Slot, shared: int, ids: list[int], params: GenerationParams, worst: int,
-               cancel: threading.Event | None) -> tuple[LiveStream, None]:
+               sampler: Sampler, cancel: threading.Event | None) -> tuple[LiveStream, None]:
         cache = self.cache
-        if not cache.has(slot.seq_id):
-            cache.add_sequence(slot.seq_id)
-            slot.history = []
-        reused = min(shared, len(ids) - 1)  # at least one token is prefilled, for the logits
-        if not cache.can_truncate(slot.seq_id, reused):
-            reused = 0  # a quantized or evicted prefix cannot be cut back: prefill again
-        cache.truncate(slot.seq_id, reused)
-        del slot.history[reused:]
+        try:
+            if not cache.has(slot.seq_id):
+                cache.add_sequence(slot.seq_id)
+                slot.history = []
+            reused = min(shared, len(ids) - 1)  # at least one token is prefilled, for the logits
+            if not cache.can_truncate(slot.seq_id, reused):
+                reused = 0  # a quantized or evicted prefix cannot be cut back: prefill again
+            cache.truncate(slot.seq_id, reused)
+            del slot.history[reused:]
+        except BaseException:
+            self._forget(slot)  # its cache may be half changed: the conversation is not kept
+            raise
         slot.busy = True
-        live = LiveStream(slot, ids, reused, params, worst, Sampler(params), cancel)
+        live = LiveStream(slot, ids, reused, params, worst, sampler, cancel, prefilled=reused)
         self.live.append(live)
-        return live, None  # prefilled by the next step, with every stream that joins with it
+        return live, None  # prefilled by the next steps, with the streams that join with it
 
     def _probe(self, seq_id: int) -> KVProbe:
         cache = self.cache
@@ -139,39 +155,73 @@ class SlotBatcher(SlotStreams):
         while True:
             yield live.pending  # ``step`` feeds it and samples the next one before asking again
 
-    def _prefill(self, joining: list[LiveStream]) -> None:
-        """Prefill the streams that joined (one forward for prompts of similar length), sample
-        their first tokens and start their event streams; a stream cancelled meanwhile is not
-        prefilled (its stream ends at once)."""
-        started = time.perf_counter()
-        todo = [s for s in joining if s.cancel is None or not s.cancel.is_set()]
-        if todo:
-            rows = self.engine.prefill_together([s.slot.seq_id for s in todo], [s.ids[s.reused:] for s in todo])
-            for s, row in zip(todo, rows):
-                s.slot.history.extend(s.ids[s.reused:])
-                s.pending = s.sampler.sample(row)
-        tok = self.session.tokenizer
+    def _prefill(self, joining: list[LiveStream]) -> tuple[list[LiveStream], list]:
+        """Prefills at most ``prefill_chunk`` prompt tokens of the joining streams, oldest first
+        (streams whose rest fits go through one ``prefill_together``); samples the first token of
+        each whose prompt is now in its cache and starts its event stream (a stream cancelled
+        meanwhile starts one too, which ends at once). Returns (streams ready for their first
+        event, StreamFailed events of the streams whose prefill failed)."""
+        ready = [s for s in joining if s.cancel is not None and s.cancel.is_set()]
+        pieces: list[tuple[LiveStream, list[int]]] = []
+        budget = self.prefill_chunk
         for s in joining:
+            if s in ready or budget == 0:
+                continue
+            take = min(budget, len(s.ids) - s.prefilled)
+            pieces.append((s, s.ids[s.prefilled:s.prefilled + take]))
+            budget -= take
+        failed: list = []
+        if pieces:
+            now = time.perf_counter()
+            for s, _ in pieces:
+                s.prefill_started = s.prefill_started or now
+            try:
+                rows = self.engine.prefill_together([s.slot.seq_id for s, _ in pieces], [p for _, p in pieces])
+            except Exception as exc:  # noqa: BLE001 - these prompts' forward: only their streams fail
+                return [], self._fail([s for s, _ in pieces], exc, "the prefill")
+            self.prefill_steps = (self.prefill_steps + [sum(len(p) for _, p in pieces)])[-64:]
+            for (s, piece), row in zip(pieces, rows):
+                s.slot.history.extend(piece)
+                s.prefilled += len(piece)
+                if s.prefilled < len(s.ids):
+                    continue
+                try:
+                    s.pending = s.sampler.sample(row)
+                except Exception as exc:  # noqa: BLE001 - its own sampler
+                    failed += self._fail([s], exc, "the sampler")
+                    continue
+                ready.append(s)
+        tok = self.session.tokenizer
+        for s in ready:
             clock = StatsClock(backend="torch", policy=str(self.session.plan.policy), prompt_tokens=len(s.ids),
                                cached_tokens=s.reused)
             s.events = stream(self._tokens(s), token_bytes=tok.token_bytes, eos=tok.eos_ids, params=s.params,
-                              clock=clock, probe=self._probe(s.slot.seq_id), cancel=s.cancel, started=started)
+                              clock=clock, probe=self._probe(s.slot.seq_id), cancel=s.cancel,
+                              started=s.prefill_started)
+        return ready, failed
 
     # -- decoding --------------------------------------------------------------------------
-    def step(self) -> list[tuple[LiveStream, GenerationEvent]]:
+    def step(self) -> list[tuple[LiveStream, GenerationEvent | StreamFailed]]:
         if not self.live:
             return []
-        live = list(self.live)
-        joining = [s for s in live if s.events is None]
-        decoding = [s for s in live if s.events is not None]
+        joining = [s for s in self.live if s.events is None]
+        decoding = [s for s in self.live if s.events is not None]
         self.widest = max(self.widest, len(decoding))
+        out: list = []
         with self._lock:
-            with self._end_on_error(live):
-                if joining:
-                    self._prefill(joining)
-                if decoding:
+            ready, failed = self._prefill(joining) if joining else ([], [])
+            out += failed
+            if decoding:
+                try:
                     logits = self.engine.decode([s.slot.seq_id for s in decoding], [s.pending for s in decoding])
+                except Exception as exc:  # noqa: BLE001 - one forward for all of them: each of them fails
+                    out += self._fail(decoding, exc, "the decode step")
+                    decoding = []
             for s, row in zip(decoding, logits if decoding else []):
                 s.slot.history.append(s.pending)
-                s.pending = s.sampler.sample(row)
-        return self._next_events(live)  # the joining streams' first events, the others' next ones
+                try:
+                    s.pending = s.sampler.sample(row)
+                except Exception as exc:  # noqa: BLE001 - its own sampler: it fails alone
+                    out += self._fail([s], exc, "the sampler")
+        alive = [s for s in ready + decoding if s in self.live]
+        return out + self._next_events(alive)  # the new streams' first events, the others' next ones

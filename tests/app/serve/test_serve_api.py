@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from localctx.app import cli
+from localctx.app.serve.protocol import RequestRules
 from localctx.app.serve.scheduler import Limits
 from localctx.backends.fake.backend import FakeBackend
 from localctx.backends.fake.session import FAKE_SPEC
@@ -34,7 +35,9 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_in_thread(fake_session(), "fake") as (url, scheduler):
+    """A server whose operator allows per-request KV policies and ignore_eos (both off by default)."""
+    with serve_in_thread(fake_session(), "fake", limits=Limits(kv_lanes_per_min=60),
+                         rules=RequestRules(ignore_eos=True)) as (url, scheduler):
         yield url, scheduler
 
 
@@ -134,7 +137,8 @@ def test_an_unknown_model_is_404_and_a_bad_body_is_400(server):
     with pytest.raises(openai.NotFoundError) as missing:
         client(url).chat.completions.create(model="gpt-4o", messages=QUESTION)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
-    req = urllib.request.Request(url + "/chat/completions", data=b"{not json", method="POST")
+    req = urllib.request.Request(url + "/chat/completions", data=b"{not json", method="POST",
+                                 headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as bad:
         urllib.request.urlopen(req, timeout=10)
     assert bad.value.code == 400 and set(json.loads(bad.value.read())["error"]) == {"message", "type", "param", "code"}

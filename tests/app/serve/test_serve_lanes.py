@@ -12,6 +12,8 @@ import openai
 import pytest
 import torch
 
+from localctx.app.serve.lanes import LaneRefused
+from localctx.app.serve.scheduler import Limits
 from localctx.backends.base import GenerationParams
 from localctx.backends.fake.backend import FakeBackend
 from localctx.backends.fake.session import FAKE_SPEC
@@ -25,6 +27,7 @@ from serve_helpers import serve_in_thread
 from torch_tiny_models import TinyConfig, tiny_weights, write_gguf
 
 QUESTION = [{"role": "user", "content": "where do the sinks keep tokens"}]
+LANES = Limits(kv_lanes_per_min=1000)  # the operator allows per-request policies (--kv-lanes), unbounded here
 
 
 def fake_session(policy: str = "fp16", context: int = 4096, delay: float = 0.0):
@@ -48,7 +51,7 @@ def lanes_of(c: openai.OpenAI) -> list[tuple[str, int]]:
 
 
 def test_a_request_policy_runs_in_its_own_lane_and_idle_lanes_close_lru():
-    with serve_in_thread(fake_session(), "fake") as (url, scheduler):
+    with serve_in_thread(fake_session(), "fake", limits=LANES) as (url, scheduler):
         c = client(url)
         budget = cost.max_kv_bytes(FAKE_SPEC, KVPolicy.parse("fp16"), 4096)
         long_question = [{"role": "user", "content": "sinks " * 100}]  # past a few quantization groups
@@ -78,7 +81,7 @@ def test_a_request_policy_runs_in_its_own_lane_and_idle_lanes_close_lru():
 
 
 def test_a_smaller_context_is_honoured_and_a_policy_over_the_budget_is_400():
-    with serve_in_thread(fake_session("int4", context=4096), "fake") as (url, _):
+    with serve_in_thread(fake_session("int4", context=4096), "fake", limits=LANES) as (url, _):
         c = client(url)
         with pytest.raises(openai.BadRequestError) as bad:
             ask(c, kv="fp16")  # fp16 at the served 4,096 tokens is over the int4 plan's bytes
@@ -93,7 +96,7 @@ def test_a_smaller_context_is_honoured_and_a_policy_over_the_budget_is_400():
 
 
 def test_a_lane_that_fails_to_open_gives_back_the_idle_lanes_closed_for_it(monkeypatch):
-    with serve_in_thread(fake_session(), "fake") as (url, scheduler):
+    with serve_in_thread(fake_session(), "fake", limits=LANES) as (url, scheduler):
         c = client(url)
         first = ask(c).choices[0].message.content
         lanes = scheduler.streams
@@ -115,7 +118,7 @@ def test_a_lane_that_fails_to_open_gives_back_the_idle_lanes_closed_for_it(monke
 
 
 def test_a_lane_that_fits_only_once_busy_lanes_finish_is_503_with_retry_after():
-    with serve_in_thread(fake_session("int4", context=4096, delay=0.05), "fake") as (url, scheduler):
+    with serve_in_thread(fake_session("int4", context=4096, delay=0.05), "fake", limits=LANES) as (url, scheduler):
         c = client(url)
         done = threading.Event()
 
@@ -138,7 +141,7 @@ def test_a_lane_that_fits_only_once_busy_lanes_finish_is_503_with_retry_after():
 
 
 def test_two_lanes_stream_at_once_and_a_lane_that_breaks_fails_only_its_own_requests():
-    with serve_in_thread(fake_session("fp16", context=4096, delay=0.1), "fake") as (url, scheduler):
+    with serve_in_thread(fake_session("fp16", context=4096, delay=0.1), "fake", limits=LANES) as (url, scheduler):
         c = client(url)  # int4 and the window together fit the fp16 plan's budget (the idle fp16 lane makes room)
         results: dict = {}
 
@@ -169,6 +172,52 @@ def test_two_lanes_stream_at_once_and_a_lane_that_breaks_fails_only_its_own_requ
     assert results["int4"].startswith("Reply: where do the sinks")  # the other lane went on
 
 
+def test_per_request_policies_are_off_unless_the_operator_allows_them_and_bounded_when_on():
+    with serve_in_thread(fake_session(), "fake") as (url, scheduler):  # serve's default: --kv-lanes 0
+        c = client(url)
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask(c, kv="int8")
+        assert bad.value.body["code"] == "kv_lanes_off" and "--kv-lanes" in bad.value.body["message"]
+        assert ask(c, kv="fp16").model_extra["localctx"]["policy"] == "fp16"  # the served policy is no lane
+        assert ask(c, context=64).model_extra["localctx"]["context"] == 64  # nor is a smaller context
+        assert scheduler.streams.opened == 1
+    with serve_in_thread(fake_session(), "fake", limits=Limits(kv_lanes_per_min=2)) as (url, scheduler):
+        c = client(url)
+        ask(c, kv="int8")  # opens int8 (closing the idle fp16 lane: both do not fit)
+        ask(c)  # opens fp16 again: the second lane this minute
+        with pytest.raises(openai.APIStatusError) as busy:  # alternating policies would reopen pools each time
+            ask(c, kv="int8")
+        assert busy.value.status_code == 503 and busy.value.body["code"] == "kv_lanes_busy"
+        assert 1 <= int(busy.value.response.headers["retry-after"]) <= 60
+        assert ask(c).model_extra["localctx"]["policy"] == "fp16"  # an open lane still serves
+        assert scheduler.streams.opened == 3
+
+
+def test_a_lane_maker_that_raises_anything_refuses_the_request_and_the_scheduler_serves_on(monkeypatch):
+    """Opening a lane may fail with any exception (a driver error, a bug): choose() turns it into a
+    LaneRefused (500), so it never escapes into the scheduler thread, and later requests are served."""
+    with serve_in_thread(fake_session(), "fake", limits=LANES) as (url, scheduler):
+        c = client(url)
+        lanes = scheduler.streams
+        real_open = lanes.maker.open
+
+        def broken_int8(plan):
+            if str(plan.policy) == "int8":
+                raise RuntimeError("the allocator broke")
+            return real_open(plan)
+
+        monkeypatch.setattr(lanes.maker, "open", broken_int8)
+        with pytest.raises(LaneRefused) as refused:
+            lanes.choose(KVPolicy.parse("int8"), None)
+        assert refused.value.status == 500 and "the allocator broke" in refused.value.message
+        with pytest.raises(openai.InternalServerError) as failed:
+            ask(c, kv="int8")
+        assert failed.value.body["code"] == "kv_lane_failed"
+        started = time.monotonic()
+        assert ask(c).choices[0].message.content.startswith("Reply: where")  # the scheduler thread lives on
+        assert time.monotonic() - started < 5
+
+
 # -- torch: lanes share the loaded model ------------------------------------------------------
 OPTIONS = TorchOptions(device="cpu", dtype=torch.float32, block_size=8)
 PROMPT = [{"role": "user", "content": "the tent in the sea"}]
@@ -190,7 +239,7 @@ def reference(loaded, policy: str, context: int) -> str:
 
 def test_torch_lanes_share_the_weights_and_answer_as_a_session_of_that_policy(loaded):
     served = build_session(loaded, Plan.fixed("torch", loaded.spec, KVPolicy.parse("fp16"), 200), OPTIONS)
-    with serve_in_thread(served, "tiny", parallel=2) as (url, scheduler):
+    with serve_in_thread(served, "tiny", parallel=2, limits=LANES) as (url, scheduler):
         c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
 
         def answer(kv: str | None) -> tuple[str, dict]:

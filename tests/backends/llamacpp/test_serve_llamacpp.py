@@ -24,7 +24,9 @@ def session():
 
 
 def drain(slots: LlamaSlots, started) -> dict:
-    out = {id(s): ([e.token] if e.kind == "token" else [], e if e.kind == "done" else None) for s, e in started}
+    """``started``: what ``start`` returned, (stream, None): each first event comes from a step."""
+    assert all(e is None for _, e in started)
+    out = {id(s): ([], None) for s, _ in started}
     while slots.active:
         for s, e in slots.step():
             if e.kind == "token":
