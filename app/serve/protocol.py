@@ -53,22 +53,19 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> Api
 
 
 def parse_json(raw: bytes):
-    """The body as JSON: 400 for anything that is not strict JSON (NaN and Infinity are not) or that
-    nests deeper than MAX_DEPTH (Python's parser recurses: far deeper bodies stop it with a
-    RecursionError, answered here as a 400 too)."""
+    """The body as JSON, or 400: not JSON, or nested deeper than MAX_DEPTH (Python's parser recurses:
+    a far deeper body stops it with a RecursionError, answered here as the same 400). NaN and
+    Infinity, which Python reads, are left to the field's check, which names the field."""
+    too_deep = _bad(f"the request body nests JSON deeper than {MAX_DEPTH} levels")
     try:
-        body = json.loads(raw, parse_constant=_not_json)
-    except ApiError:
-        raise
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        body = json.loads(raw)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError:  # UnicodeDecodeError is a ValueError
         raise _bad("the request body is not valid JSON") from None
     if _depth(body) > MAX_DEPTH:
-        raise _bad(f"the request body nests JSON deeper than {MAX_DEPTH} levels")
+        raise too_deep
     return body
-
-
-def _not_json(name: str):
-    raise _bad(f"the request body holds {name}, which is not JSON: numbers must be finite")
 
 
 def _depth(value) -> int:
