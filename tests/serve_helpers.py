@@ -24,15 +24,17 @@ START_TIMEOUT_S = 240  # loading and planning take a minute on a busy 2-core mac
 @contextlib.contextmanager
 def serve_in_thread(session, model_id: str, parallel: int = 1, limits: Limits = Limits(), api_key=None,
                     max_body: int = 4 * 1024 * 1024, rules: RequestRules = RequestRules(), access: Access | None = None,
-                    streams=None):
+                    streams=None, on_state=None):
     """Yields (base URL ending in /v1, the Scheduler). ``streams``: a stream source of the caller's
-    (else the one serve would make for ``parallel``)."""
+    (else the one serve would make for ``parallel``); ``on_state``: called with the ServeState."""
     import uvicorn
 
     streams = streams or make_streams(session, parallel)
     scheduler = Scheduler(session, streams, limits)
     state = ServeState(scheduler=scheduler, model_id=model_id, spec=session.spec, plan=session.plan,
                        access=access or Access(api_key=api_key), rules=rules, max_body_bytes=max_body)
+    if on_state is not None:
+        on_state(state)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", timeout_keep_alive=2))
