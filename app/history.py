@@ -1,12 +1,15 @@
 """Chat history in SQLite under the user data directory (``LOCALCTX_DATA_DIR`` overrides it).
 
 A database that cannot be read is moved aside with a notice and a fresh one is started: history
-is worth keeping, but never worth a crash."""
+is worth keeping, but never worth a crash. It is the user's alone: the folder 0700, the database
+0600 (SQLite gives its journal the same mode), tightened if an older version left them wider; a
+database that belongs to another user is refused (kvcache/private_files.py)."""
 from __future__ import annotations
 
 import json
 import os
 import sqlite3
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,6 +18,7 @@ import platformdirs
 
 from localctx.backends.base import GenerationStats
 from localctx.kvcache.errors import RuntimeFailure
+from localctx.kvcache.private_files import FILE_MODE, POSIX, private_dir, untrusted
 
 DATA_DIR_ENV = "LOCALCTX_DATA_DIR"
 DB_NAME = "history.db"
@@ -118,7 +122,8 @@ class History:
         """(history, notice): the notice says when a corrupt database was moved aside."""
         path = path or data_dir() / DB_NAME
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
+            _own(path)
         except OSError as exc:
             raise RuntimeFailure(f"cannot create the chat history folder {path.parent}: {exc.strerror}; "
                                  f"set {DATA_DIR_ENV} to a writable folder") from None
@@ -127,6 +132,7 @@ class History:
         except sqlite3.DatabaseError as exc:
             reason = str(exc)
         moved = _move_aside(path)
+        _own(path)  # the fresh database: 0600 too
         notice = (f"the chat history {path} could not be read ({reason}); it was moved to {moved.name} "
                   "and a new history was started")
         try:
@@ -221,6 +227,23 @@ class _Writing:
         if isinstance(exc, sqlite3.Error):
             raise RuntimeFailure(f"the chat history {self.path} could not be saved: {exc}") from None
         return False
+
+
+def _own(path: Path) -> None:
+    """Creates the database file 0600 if it is missing; tightens one of this user's that is wider;
+    refuses one that belongs to another user."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
+        return
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if POSIX and stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, FILE_MODE)  # this user's own database, left wider by an older version
+    why = untrusted(path)
+    if why is not None:
+        raise RuntimeFailure(f"the chat history {path} is not safe to open: {why}; move it away, or set "
+                             f"{DATA_DIR_ENV} to a folder of your own")
 
 
 def _connect(path: Path) -> sqlite3.Connection:

@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from localctx.kvcache.hardware_profile import cache_dir
+from localctx.kvcache.private_files import read_trusted, write_private
 
 # a format's cost in the backend's default cache; "fp16-windowed": fp16 in the cache a windowed
 # policy uses, where a backend's differs (torch keeps windowed keys before RoPE and rotates them per step)
@@ -155,19 +156,18 @@ def user_path(backend: str, hardware_key: str) -> Path:
 def save(cal: Calibration, path: Path | None = None) -> Path:
     """Atomically write a calibration to the user cache (or ``path``)."""
     path = path or user_path(cal.backend, cal.hardware_key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    write_private(path, json.dumps(cal.to_dict(), indent=2) + "\n")
     return path
 
 
 def load(backend: str, hardware_key: str) -> Calibration | None:
-    """The user's own measurement if there is one, else the committed default, else None."""
+    """The user's own measurement if there is one (and it is trusted: kvcache/private_files.py), else
+    the committed default, else None."""
     path = user_path(backend, hardware_key)
-    if path.is_file():
+    raw = read_trusted(path)
+    if raw is not None:
         try:
-            return Calibration.from_dict(json.loads(path.read_text()), source=str(path))
+            return Calibration.from_dict(json.loads(raw), source=str(path))
         except (ValueError, KeyError, json.JSONDecodeError):
             pass  # a damaged cache file falls back to the default; `plan --calibrate` rewrites it
     asset = resources.files("localctx.assets").joinpath(file_name(backend, hardware_key))

@@ -33,6 +33,7 @@ import numpy as np
 
 from localctx.kvcache import prompt_cache_file
 from localctx.kvcache.hardware_profile import cache_dir
+from localctx.kvcache.private_files import read_trusted, write_private
 from localctx.kvcache.prompt_cache_file import BadPromptFile, PromptFile
 
 CHUNK = 512  # = the prefill chunk of the torch engine and llama.cpp's n_batch
@@ -67,8 +68,8 @@ def model_hash(path: Path) -> str:
     memo_path = root() / "model-hashes.json"
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
     try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
+        memo = json.loads(read_trusted(memo_path) or b"{}")
+    except ValueError:
         memo = {}
     if isinstance(memo, dict) and isinstance(memo.get(key), str):
         return memo[key]
@@ -79,10 +80,7 @@ def model_hash(path: Path) -> str:
     value = digest.hexdigest()
     memo = {k: v for k, v in (memo if isinstance(memo, dict) else {}).items() if not k.startswith(f"{path}|")}
     memo[key] = value
-    memo_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo_path.with_name(f".{memo_path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(memo))
-    os.replace(tmp, memo_path)
+    write_private(memo_path, json.dumps(memo))
     return value
 
 
@@ -160,8 +158,12 @@ class PromptCache:
         return root() / self.scope.key()
 
     def _reject(self, path: Path, why: str) -> None:
-        self.notice(f"prompt cache: ignoring {path.name}: {why}; removed it")
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+            done = "removed it"
+        except OSError as exc:
+            done = f"could not remove it ({exc.strerror or exc})"
+        self.notice(f"prompt cache: ignoring {path.name}: {why}; {done}")
 
     def _candidates(self, hashes: list[str]) -> list[tuple[int, Path]]:
         """(leading CHUNK hashes shared with the prompt, path) of the files that share at least

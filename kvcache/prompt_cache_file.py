@@ -4,8 +4,10 @@ with numpy so that a llama.cpp-only install needs no extra package; the files op
 ``safetensors`` library too.
 
 What makes a file safe to load:
-- it is written to a temporary name in the same folder, flushed and fsynced, then renamed (a kill
-  mid-write leaves at most a ``*.tmp`` file, which nothing loads);
+- it is written to a temporary name in the same folder (0600, in a 0700 folder), flushed and
+  fsynced, then renamed (a kill mid-write leaves at most a ``*.tmp`` file, which nothing loads);
+- it is this user's and no one else can write it or its folder (kvcache/private_files.py): any
+  other file is refused before it is opened;
 - the header's ``__metadata__`` holds the data's length and a SHA-256 of the header (all but the
   checksum) and the data, both checked before any tensor is handed out (a truncated file or a
   flipped byte anywhere is refused);
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from localctx.kvcache.private_files import private_writer, untrusted
 
 FORMAT = "localctx-prompt-cache/1"
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": None, "I64": np.int64, "I32": np.int32,
@@ -63,20 +66,11 @@ def write(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) 
     header["__metadata__"]["sha256"] = digest.hexdigest()
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for arr in arrays:
-                f.write(memoryview(arr).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with private_writer(path) as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(memoryview(arr).cast("B"))
     return 8 + len(blob) + offset
 
 
@@ -88,6 +82,9 @@ def _canonical(header: dict) -> bytes:
 
 def read_header(path: Path) -> tuple[dict, int]:
     """(header, data start) — raises BadPromptFile."""
+    why = untrusted(path)
+    if why:
+        raise BadPromptFile(f"not safe to load: {why}")
     try:
         with open(path, "rb") as f:
             raw = f.read(8)

@@ -17,17 +17,16 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import platform
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from localctx.backends.llamacpp.build_flags import cpu_flags, reinstall_command
 from localctx.kvcache.hardware_profile import cache_dir
+from localctx.kvcache.private_files import read_trusted, write_private
 
 PROBE_VERSION = 1  # bump when the probe checks more: older verdicts are then ignored
 PROBE_TIMEOUT_S = 300
@@ -112,8 +111,11 @@ def _cache_file(key: str) -> Path:
 
 
 def _read_cached(key: str) -> tuple[bool, BuildProblem | None]:
+    raw = read_trusted(_cache_file(key))  # a result another user could have written is probed again
+    if raw is None:
+        return False, None
     try:
-        data = json.loads(_cache_file(key).read_text())
+        data = json.loads(raw)
         problem = None if data["ok"] else BuildProblem(data["what"], data["fix"])
         return True, problem
     except (OSError, ValueError, KeyError, TypeError):
@@ -124,11 +126,7 @@ def _write_cached(key: str, problem: BuildProblem | None) -> None:
     path = _cache_file(key)
     data = {"ok": problem is None, "what": problem.what if problem else "", "fix": problem.fix if problem else ""}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        write_private(path, json.dumps(data))
     except OSError:
         pass  # an unwritable cache: the probe runs again next time, nothing worse
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import GB, GiB, HardwareProfile, cache_dir
+from localctx.kvcache.private_files import read_trusted, write_private
 _APPLE_NAME = re.compile(r"^m([1-9])(?:-(pro|max|ultra))?-(\d+)gb$")
 _CPU_NAME = re.compile(r"^cpu-(\d+)gb$")
 
@@ -233,8 +234,10 @@ def cpu_bandwidth(measure: bool = True) -> tuple[float, str]:
     path = cache_dir() / "hardware.json"
     key = cpu_class()
     try:
-        cached = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        cached = json.loads(read_trusted(path) or b"{}")  # one another user could have written is measured again
+    except json.JSONDecodeError:
+        cached = {}
+    if not isinstance(cached, dict):
         cached = {}
     entry = cached.get(key)
     load = load_per_core()
@@ -250,10 +253,7 @@ def cpu_bandwidth(measure: bool = True) -> tuple[float, str]:
     bw = measure_copy_bandwidth()
     cached[key] = {"bandwidth_bytes_s": bw, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "load_per_core": round(load, 2), "quiet": quiet}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cached, indent=2))
-    tmp.replace(path)
+    write_private(path, json.dumps(cached, indent=2))
     return bw, "measured" if quiet else f"measured (on a busy machine: load {load:.1f} per core)"
 
 

@@ -3,7 +3,8 @@ cache dir, keyed by the file's path, size and modification time (a changed file 
 
 The header is what is cached, not the ModelSpec built from it: every spec reader (llama.cpp,
 torch, the planner) gets the same metadata, and the spec's own shape can change without a
-stale cache. A damaged cache file is ignored and rewritten; writes are atomic (temp + rename)."""
+stale cache. A damaged cache file is ignored and rewritten, and so is one another user could
+have written (kvcache/private_files.py); writes are atomic (temp + rename) and owner-only."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ from localctx.backends.models import gguf_header
 from localctx.backends.models.gguf_header import GGUFHeader
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import cache_dir
+from localctx.kvcache.private_files import read_trusted, write_private
 
 CACHE_FORMAT = 1
 _memo: dict[tuple[str, int, int], GGUFHeader] = {}
@@ -49,8 +51,11 @@ def cached_header(path: Path | str) -> GGUFHeader:
 
 
 def _load(path: Path, key: tuple[str, int, int]) -> GGUFHeader | None:
+    raw = read_trusted(cache_path(key[0]))
+    if raw is None:
+        return None
     try:
-        data = json.loads(cache_path(key[0]).read_text())
+        data = json.loads(raw)
         if data.get("format") != CACHE_FORMAT or [data.get("path"), data.get("size"), data.get("mtime_ns")] != list(key):
             return None
         return GGUFHeader.from_json(path, data["header"])
@@ -59,16 +64,9 @@ def _load(path: Path, key: tuple[str, int, int]) -> GGUFHeader | None:
 
 
 def _store(key: tuple[str, int, int], header: GGUFHeader) -> None:
-    target = cache_path(key[0])
-    tmp = target.with_name(f"{target.stem}.{os.getpid()}.tmp")
     data = {"format": CACHE_FORMAT, "path": key[0], "size": key[1], "mtime_ns": key[2], "header": header.to_json()}
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, target)
-    except (OSError, ValueError):  # a read-only or full cache dir only costs the next run a parse
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError, ValueError):  # a read-only or full cache dir only costs the next run a parse
+        write_private(cache_path(key[0]), json.dumps(data))
 
 
 def forget() -> None:

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from localctx.kvcache import prompt_cache, prompt_cache_file
+from localctx.kvcache import private_files, prompt_cache, prompt_cache_file
 from localctx.kvcache.prompt_cache import (CHUNK, MIN_TOKENS, CacheScope, PromptCache, chunk_hashes, exact_save_point,
                                            save_point)
 from localctx.kvcache.prompt_cache_file import BadPromptFile
@@ -146,7 +146,7 @@ def test_a_kill_mid_write_leaves_nothing_that_loads(tmp_path):
 def test_an_exception_before_the_rename_removes_the_temp_file(monkeypatch):
     def fail(src, dst):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(prompt_cache_file.os, "replace", fail)
+    monkeypatch.setattr(private_files.os, "replace", fail)  # the writer every cache file goes through
     s = store()
     with pytest.raises(OSError):
         s.save(tokens(CHUNK), payload(CHUNK), {})

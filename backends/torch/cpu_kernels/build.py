@@ -7,6 +7,9 @@ flags, the compiler (its path, version, and what ``-march=native`` means to it h
 a CPU with other features — a home folder shared between machines — builds afresh: a library
 built for other instructions is never loaded. The build is written
 under a temporary name and renamed into place, so two processes never load a half-written file.
+The kernels folder is 0700 and a library 0600; a library another user owns, or one that group or
+others could write (or its folder), is never loaded: it is built afresh over it, and where that
+cannot be done the kernel is not used (kvcache/private_files.py).
 
 ``LOCALCTX_CPU_KERNELS=off`` keeps every call on the pure-torch references (to compare, or when a
 kernel is suspected). Where no compiler works, ``load`` says why and the caller falls back."""
@@ -27,6 +30,7 @@ from pathlib import Path
 from localctx.backends.llamacpp.build_flags import cpu_flags
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import cache_dir
+from localctx.kvcache.private_files import FILE_MODE, private_dir, untrusted
 
 ENV = "LOCALCTX_CPU_KERNELS"
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"))  # the second where -march=native is refused
@@ -93,13 +97,14 @@ def _compile(source: Path, compiler: str, flags: tuple[str, ...], target: Path) 
     """Build ``target``; returns None, or the compiler's (or the file system's) complaint."""
     tmp = None
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(target.parent)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         done = subprocess.run([compiler, *flags, *COMMON, str(source), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode:
             return (done.stderr.strip().splitlines() or ["failed"])[-1]
+        os.chmod(tmp, FILE_MODE)  # the linker may have written it anew with the umask's mode
         os.replace(tmp, target)
         return None
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -121,10 +126,14 @@ def load(source_name: str) -> Loaded:
     complaint = "not tried"
     for flags in FLAG_SETS:
         target = _target(source, compiler, flags)
-        if not target.exists():
+        if not target.exists() or untrusted(target):  # a library someone else could have written: build anew
             complaint = _compile(source, compiler, flags, target)
             if complaint is not None:
                 continue
+        why = untrusted(target)
+        if why:
+            complaint = f"{target} is not safe to load: {why}"
+            continue
         try:
             return Loaded(ctypes.CDLL(str(target)), f"{Path(compiler).name} {' '.join(flags)}")
         except OSError as exc:

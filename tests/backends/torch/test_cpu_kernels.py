@@ -3,7 +3,9 @@ reference (kvcache/quant_attention.attend_reference) over several shapes, plus h
 when it steps aside, and that a torch session uses it."""
 from __future__ import annotations
 
+import os
 import platform
+import stat
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from localctx.backends.torch.cpu_kernels import build
 from localctx.backends.torch.cpu_kernels import policy_attention as cpu
 from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.backends.torch.rope import Rope
-from localctx.kvcache import quant
+from localctx.kvcache import private_files, quant
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -234,6 +236,29 @@ def test_a_build_for_other_cpu_features_is_never_loaded(kernel, fresh_build_stat
     built = set((tmp_path / "kernels").glob("policy_attention-*.so"))
     assert loaded.ok and len(built) == 2 and mine in built
     assert Path(loaded.library._name) in built - {mine}  # its own build, not the other CPU's
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX owners and modes")
+def test_a_library_others_could_write_or_another_user_owns_is_never_loaded(kernel, fresh_build_state, tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(tmp_path))
+    old_umask = os.umask(0)  # whatever the umask, the folder is 0700 and the library 0600
+    try:
+        assert cpu.library().ok
+    finally:
+        os.umask(old_umask)
+    (built,) = (tmp_path / "kernels").glob("policy_attention-*.so")
+    assert stat.S_IMODE(built.stat().st_mode) == 0o600 and stat.S_IMODE(built.parent.stat().st_mode) == 0o700
+    os.chmod(built, 0o666)  # anyone could have swapped code into it: built afresh over it, then loaded
+    inode = built.stat().st_ino
+    build.load.cache_clear()
+    assert cpu.library().ok
+    assert built.stat().st_ino != inode and stat.S_IMODE(built.stat().st_mode) == 0o600
+    real = os.getuid()
+    monkeypatch.setattr(private_files.os, "getuid", lambda: real + 1)  # every file here is "another user's"
+    build.load.cache_clear()
+    loaded = cpu.library()
+    assert not loaded.ok and "not safe to load" in loaded.reason and "another user" in loaded.reason
 
 
 @pytest.fixture(scope="module")
