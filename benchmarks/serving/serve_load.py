@@ -13,7 +13,11 @@ Starts the server as a subprocess (``--port 0``), then measures, streamed:
 3. ``--clients`` clients (default 16) sending ``--requests`` requests each, bounded: p50/p99
    TTFT, aggregate tokens/s, errors, and the server's resident memory before and after;
 4. a follow-up turn in a conversation with ``--history`` tokens of history: TTFT of the
-   cold request (nothing cached) against the follow-up that extends it (its KV reused).
+   cold request (nothing cached) against the follow-up that extends it (its KV reused);
+5. with ``--plain-llamacpp``, before the server starts: plain llama-cpp-python decoding one greedy
+   stream of the same GGUF (``--max-tokens`` tokens past any end-of-text, same context, every CPU
+   thread), median of three: the absolute single-stream figure the batched server's figures
+   stand beside (a ratio to the server's own one client says nothing about it).
 
     python benchmarks/serving/serve_load.py --backend torch --parallel 8 --json docs/results/serve/benchmarks-serve-torch.json
 
@@ -69,6 +73,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--kv", args.kv]
     if args.context:
         cmd += ["--context", str(args.context)]
+    if args.ignore_eos:
+        cmd += ["--allow-ignore-eos"]  # off by default: the operator lets requests run past end-of-text
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
@@ -106,6 +112,30 @@ def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int, igno
     ended = time.perf_counter()
     return Sample((first or ended) - started, ended - started, tokens, cached, started, ended, first, last,
                   token_times=times)
+
+
+def plain_llamacpp(args) -> dict:
+    """One greedy stream of plain llama-cpp-python on the same GGUF: decode tok/s (first token to the
+    last, ``--max-tokens`` tokens, end-of-text not stopping it), median of three runs."""
+    from llama_cpp import Llama
+
+    from localctx.backends.models.ref import bundled_default_path
+
+    path = args.model or str(bundled_default_path())
+    threads = os.cpu_count() or 1
+    llm = Llama(model_path=path, n_ctx=args.context, n_threads=threads, n_threads_batch=threads, verbose=False)
+    prompt = llm.tokenize(question(1)[0]["content"].encode(), add_bos=True)
+    rates = []
+    for _ in range(3):
+        times = []
+        for _token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) >= args.max_tokens:
+                break
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    llm.close()
+    return {"model": path, "context": args.context, "threads": threads, "tokens": args.max_tokens,
+            "decode_tok_s_runs": [round(r, 2) for r in rates], "decode_tok_s_median": round(statistics.median(rates), 2)}
 
 
 def question(i: int, n_words: int = 24) -> list:
@@ -241,10 +271,13 @@ def main() -> int:
     p.add_argument("--history", type=int, default=4096, help="tokens of history for the follow-up turn")
     p.add_argument("--follow-rounds", type=int, default=2)
     p.add_argument("--follow-tokens", type=int, default=16)
+    p.add_argument("--plain-llamacpp", action="store_true", help="also measure plain llama-cpp-python's single "
+                   "stream on the same GGUF, before the server starts")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args()
 
     load_start = os.getloadavg()
+    plain = plain_llamacpp(args) if args.plain_llamacpp else None
     proc, url = start_server(args)
     server = psutil.Process(proc.pid)
     try:
@@ -285,6 +318,7 @@ def main() -> int:
                  **versus(load, one_tok_s, one_decode_tok_s)} if load else None,
         "rss_bytes": {"start": rss_start, "after_load": rss_end_load, "end": rss_end},
         "follow_up": follow,
+        "plain_llamacpp_one_stream": plain,
         "samples": {"one_client": [asdict(s) for s in single], "streams": [asdict(s) for s in together],
                     "load": [asdict(s) for s in load]},
     }

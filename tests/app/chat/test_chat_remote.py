@@ -13,6 +13,7 @@ from localctx.app import cli
 from localctx.app.chat.app import ChatApp
 from localctx.app.chat.widgets.conversation import Answer
 from localctx.app.commands import chat as chat_command
+from localctx.app.serve.scheduler import Limits
 from localctx.backends.base import GenerationParams
 from localctx.backends.fake.backend import FakeBackend
 from localctx.backends.fake.session import FAKE_SPEC
@@ -34,7 +35,7 @@ class _Terminal:
 @pytest.fixture
 def server():
     session = FakeBackend(0.25).load(None, Plan.fixed("fake", FAKE_SPEC, KVPolicy.parse(SERVED), 2048))
-    with serve_in_thread(session, "fake") as (url, _):
+    with serve_in_thread(session, "fake", limits=Limits(kv_lanes_per_min=60)) as (url, _):  # --kv-lanes 60
         yield url  # 0.25 s a token: 12 tokens take 3 s, time for the pilot to see a part of the answer
 
 

@@ -14,7 +14,8 @@ QUESTION = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    with serve_subprocess(["--backend", "llamacpp", "--context", "1024", "--parallel", "2", "--kv", "int8"]) as (proc, url):
+    with serve_subprocess(["--backend", "llamacpp", "--context", "1024", "--parallel", "2", "--kv", "int8",
+                           "--kv-lanes", "60"]) as (proc, url):
         yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
 
 

@@ -22,6 +22,8 @@ from localctx.backends.openai.session import RemoteRequest, open_remote
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
+from localctx.app.serve.protocol import RequestRules
+from localctx.app.serve.scheduler import Limits
 from serve_helpers import serve_in_thread, serve_subprocess
 
 QUESTION = [{"role": "user", "content": "where do the sinks keep tokens"}]
@@ -30,7 +32,8 @@ QUESTION = [{"role": "user", "content": "where do the sinks keep tokens"}]
 @pytest.fixture(scope="module")
 def localctx_server():
     session = FakeBackend(0.0).load(None, Plan.fixed("fake", FAKE_SPEC, KVPolicy.parse("int8+sink4+win512"), 2048))
-    with serve_in_thread(session, "fake") as (url, _):
+    with serve_in_thread(session, "fake", limits=Limits(kv_lanes_per_min=60), rules=RequestRules(ignore_eos=True)) \
+            as (url, _):  # an operator who allows per-request KV lanes and ignore_eos (both off by default)
         yield url
 
 
