@@ -235,3 +235,14 @@ def test_a_client_that_leaves_at_any_point_ends_its_generation_and_frees_its_slo
         assert scheduler.served == 1  # the one that ran, cancelled; the one that left the queue never started
         status, answer, _ = post(url, body())
         assert status == 200 and answer["usage"]["completion_tokens"] == 3
+
+
+def test_cors_for_any_origin_needs_a_key_and_flags_are_checked_before_loading(capsys):
+    from localctx.app import cli
+
+    assert cli.main(["serve", "--backend", "fake", "--cors", "*"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--cors" in err and "API key" in err
+    for flag, value in (("--max-tokens", "0"), ("--kv-lanes", "-1")):
+        assert cli.main(["serve", "--backend", "fake", flag, value]) == 2
+        assert flag in capsys.readouterr().err
