@@ -90,7 +90,11 @@ class Client:
         finally:
             conn.close()
         if r.status != 200:
-            return "valid", r.status, False
+            try:
+                code = json.loads(raw)["error"]["code"]
+            except (ValueError, KeyError, TypeError):
+                code = None
+            return f"valid, refused: {code}", r.status, False
         if stream:
             chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
             done = any(c.get("choices") and c["choices"][0].get("finish_reason") for c in chunks)
@@ -220,9 +224,9 @@ def main() -> int:
         proc.terminate()
         proc.wait(30)
 
-    kinds = Counter(kind.split(":")[0] for kind, *_ in results)
+    kinds = Counter(kind.split(":")[0].split(",")[0] for kind, *_ in results)
     statuses = Counter(status for _, status, _, _ in results)
-    valid = [r for r in results if r[0] == "valid"]
+    valid = [r for r in results if r[0].startswith("valid")]
     warm = [b for t, b in rss if t >= args.warmup]
     growth = (rss[-1][1] - warm[0]) / warm[0] if warm else None
     by_status = {}
