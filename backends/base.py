@@ -18,8 +18,42 @@ from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.model_spec import ModelSpec
 
-Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+Message = dict  # {"role": "system" | "user" | "assistant" | "tool", "content": str, ...}
+
+
+class Chat(list):
+    """Chat messages with the functions the model may call (OpenAI's ``tools``: ``{"type": "function",
+    "function": {"name", "description", "parameters"}}``), which the chat template renders
+    (backends/models/chat_template.py); a plain list of messages is a chat without tools."""
+
+    def __init__(self, messages: Sequence[Message] = (), tools: Sequence[dict] = ()):
+        super().__init__(messages)
+        self.tools = tuple(tools)
+
+
 Prompt = Union[str, Sequence[Message]]
+
+
+@dataclass(frozen=True)
+class JsonShape:
+    """One form an answer may take: ``prefix``, then one JSON value valid against ``schema`` (a JSON
+    Schema, as JSON text), then ``suffix``."""
+    schema: str
+    prefix: str = ""
+    suffix: str = ""
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """The answer is exactly one of ``shapes`` and then ends: structured output (``response_format``,
+    ``localctx run --json-schema``) and forced tool calls, sampled under a grammar (llama.cpp's own
+    engine on llama.cpp, llguidance on torch and MLX). ``field``: where it came from, for errors."""
+    shapes: tuple[JsonShape, ...]
+    field: str = "response_format"
+
+    @classmethod
+    def json_schema(cls, schema: str, field: str = "response_format") -> "OutputConstraint":
+        return cls((JsonShape(schema),), field)
 
 
 @dataclass(frozen=True)
@@ -32,6 +66,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     speculate: str = "off"  # prompt-lookup drafts (backends/generation/speculation.py): "auto", "ngram" or "off"
     ignore_eos: bool = False  # an end-of-text token does not end the answer (benchmarks: every answer runs max_tokens)
+    constraint: OutputConstraint | None = None  # the answer's shape (structured output, forced tool calls)
 
 
 @dataclass(frozen=True)
@@ -161,6 +196,18 @@ class Session(ABC):
     def enable_prompt_cache(self, model_path) -> str | None:
         """Keep long prompts' KV on disk (kvcache/prompt_cache.py); returns why not, or None."""
         return f"the {self.backend_name} backend keeps no prompt cache on disk"
+
+    def constraint_refusal(self, constraint: OutputConstraint) -> str | None:
+        """Why this session cannot sample under ``constraint`` (its grammar engine does not take the
+        schema, or it has none), or None when it can. May compile and cache the grammar."""
+        return f"{constraint.field}: the {self.backend_name} backend has no constrained decoding"
+
+    def tool_format(self):
+        """How this model's answers call tools (a backends/models/tool_calls.ToolFormat): its chat
+        template's format; hermes where the session has no template of its own."""
+        from localctx.backends.models.tool_calls import HERMES
+
+        return HERMES
 
     def enable_cache_reuse(self, min_run: int) -> str | None:
         """Keep cached runs of at least ``min_run`` tokens that reappear later in the next prompt,

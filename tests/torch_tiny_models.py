@@ -124,7 +124,7 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, cfg: TinyConfig, weights: dict[str, torch.Tensor]) -> Path:
+def write_gguf(path: Path, cfg: TinyConfig, weights: dict[str, torch.Tensor], template: str = CHATML) -> Path:
     import gguf
 
     writer = gguf.GGUFWriter(str(path), cfg.arch)
@@ -149,7 +149,7 @@ def write_gguf(path: Path, cfg: TinyConfig, weights: dict[str, torch.Tensor]) ->
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    writer.add_chat_template(template)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",

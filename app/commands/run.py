@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from localctx.app.session_options import SessionRequest, add_prompt_cache_option, add_session_options, open_session
 from localctx.backends.generation import speculation
-from localctx.backends.base import GenerationParams, GenerationStats
+from localctx.backends.base import GenerationParams, GenerationStats, OutputConstraint
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
 
@@ -30,6 +32,8 @@ def register(sub) -> None:
     p.add_argument("--speculate", default="auto", choices=speculation.MODES,
                    help="prompt-lookup drafts verified several tokens per step: auto (default; plain decoding "
                         "where the KV policy cannot roll a draft back exactly), ngram, off")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="answer with JSON valid against this JSON Schema (sampled under its grammar; docs/serve.md)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, stats, policy, backend)")
     p.set_defaults(handler=handle)
@@ -64,6 +68,25 @@ def params_from(args: argparse.Namespace) -> GenerationParams:
                             ignore_eos=args.ignore_eos)
 
 
+def read_schema(path: str) -> OutputConstraint:
+    """``--json-schema FILE`` as the answer's constraint; one line for a file that cannot be used."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"--json-schema {path}: cannot read it ({exc.strerror or exc}); "
+                        "give a readable JSON Schema file") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--json-schema {path}: not UTF-8 text; give a JSON Schema file") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise UserError(f"--json-schema {path}: not JSON ({exc}); give a JSON Schema file") from None
+    if not isinstance(schema, dict):
+        raise UserError(f"--json-schema {path}: a JSON Schema is an object ({{\"type\": ...}}), not "
+                        f"{type(schema).__name__}") from None
+    return OutputConstraint.json_schema(json.dumps(schema), field=f"--json-schema {path}")
+
+
 def speculation_words(stats: GenerationStats) -> str:
     """", prompt lookup 2.4 tok/step (31 of 40 drafted accepted)", or ", prompt lookup off" where auto
     could not run it exactly (the reason is in --json's stats.speculate: one line stays short)."""
@@ -84,9 +107,16 @@ def stats_line(stats: GenerationStats, exact: bool, finish: str) -> str:
 def handle(args: argparse.Namespace) -> int:
     text = read_prompt(args.prompt)
     params = params_from(args)
+    constraint = read_schema(args.json_schema) if args.json_schema else None
     messages = text if args.raw else (
         ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}])
     session = open_session(SessionRequest.from_args(args, prompt_cache=args.prompt_cache))
+    if constraint is not None:
+        reason = session.constraint_refusal(constraint)
+        if reason:
+            session.close()
+            raise UserError(reason)
+        params = dataclasses.replace(params, constraint=constraint)
     pieces: list[str] = []
     last = None
     code = 0

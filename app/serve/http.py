@@ -2,7 +2,9 @@
 (each request gets an asyncio queue the scheduler feeds thread-safely). Who may call the routes
 (the API key, the host rule, media types, CORS) is app/serve/access.py, in front of all of them.
 
-A request's prompt is tokenized here, on a worker thread, before the scheduler sees it. A client
+A request's prompt is tokenized here, on a worker thread, before the scheduler sees it, and its
+structured output or forced tool call compiled into a grammar the same way (``_structured``;
+app/serve/structured.py). A client
 that disconnects sets its job's cancel flag, at any point: while it waits in the queue or for its
 first token (``_next`` polls ``is_disconnected``), or mid-stream (Starlette cancels the body
 when the client goes, or a send fails). Whatever a route raises is answered in OpenAI's error
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -23,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from localctx.app.serve import protocol
+from localctx.app.serve import protocol, structured
 from localctx.app.serve.access import Access, AccessLayer
 from localctx.app.serve.metrics import CONTENT_TYPE, ServeMetrics
 from localctx.app.serve.protocol import ApiError, RequestRules
@@ -123,15 +126,14 @@ def build_app(state: ServeState) -> AccessLayer:
         body = await _read_json(state, request)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        prompt = protocol.parse_prompt(body, "messages" in body)
-        _, n = await _tokenize(state, prompt)
+        _, n = await _tokenize(state, protocol.count_prompt(body))  # a chat's tools as its template renders them
         return JSONResponse({"count": n, "context": state.plan.context})
 
     def completion_route(chat: bool):
         async def endpoint(request: Request) -> Response:
             body = await _read_json(state, request)
             parsed = protocol.parse(body, chat, state.model_id, state.plan, state.spec.context_length, state.rules)
-            return await _serve(state, request, parsed, metrics)
+            return await _serve(state, request, await _structured(state, parsed), metrics)
         return endpoint
 
     routes = [Route("/health", _guarded(health)), Route("/v1/models", _guarded(models)),
@@ -147,6 +149,19 @@ def build_app(state: ServeState) -> AccessLayer:
 
     app = Starlette(routes=routes, lifespan=lifespan)
     return AccessLayer(app, state.access, metrics.on_status)
+
+
+async def _structured(state: ServeState, parsed: protocol.ParsedRequest) -> protocol.ParsedRequest:
+    """The request's structured output and forced tool calls as grammars the served engine takes
+    (app/serve/structured.prepare, off the event loop: it compiles them), or 400 naming the field."""
+    if parsed.tools is None and parsed.params.constraint is None:
+        return parsed
+    try:
+        params, tools = await run_in_threadpool(structured.prepare, parsed.params, parsed.tools,
+                                                state.scheduler.session)
+    except structured.FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+    return dataclasses.replace(parsed, params=params, tools=tools)
 
 
 async def _serve(state: ServeState, request: Request, parsed: protocol.ParsedRequest,
@@ -193,7 +208,10 @@ async def _serve(state: ServeState, request: Request, parsed: protocol.ParsedReq
     except BaseException:
         job.cancel.set()  # refused, failed, or the client left: nothing more is generated for it
         raise
-    return JSONResponse(protocol.whole(ids, "".join(pieces), event, _plan_of(state, job), parsed, job.timed_out))
+    response = protocol.whole(ids, "".join(pieces), event, _plan_of(state, job), parsed, job.timed_out)
+    if parsed.tools is not None:
+        response = structured.with_calls(response, "".join(pieces), parsed.tools)
+    return JSONResponse(response)
 
 
 def _plan_of(state: ServeState, job: ServeJob) -> Plan:
@@ -228,6 +246,7 @@ def _sse_line(payload: dict | str) -> str:
 
 async def _sse(state: ServeState, ids: protocol.Ids, parsed: protocol.ParsedRequest, job: ServeJob,
                inbox: asyncio.Queue, first: GenerationEvent) -> AsyncIterator[str]:
+    calls = structured.StreamedCalls(parsed.tools) if parsed.tools is not None else None
     try:
         if parsed.chat:
             yield _sse_line(protocol.chunk(ids, None, first=True))
@@ -235,7 +254,10 @@ async def _sse(state: ServeState, ids: protocol.Ids, parsed: protocol.ParsedRequ
         while True:
             if event.kind == "done":
                 break
-            if event.text:
+            if event.text and calls is not None:
+                for delta in calls.deltas(event.text):
+                    yield _sse_line(structured.delta_chunk(ids, delta))
+            elif event.text:
                 yield _sse_line(protocol.chunk(ids, event.text))
             item = await inbox.get()
             if isinstance(item, (Failed, Refused)):
@@ -243,7 +265,12 @@ async def _sse(state: ServeState, ids: protocol.Ids, parsed: protocol.ParsedRequ
                 yield _sse_line(err.body())
                 return
             event = item
-        final = protocol.chunk(ids, event.text or None, reason=protocol.finish_reason(event, job.timed_out))
+        reason, tail = protocol.finish_reason(event, job.timed_out), event.text or None
+        if calls is not None:  # the answer's last text, then whatever call it ended
+            for delta in calls.deltas(event.text or "", final=True):
+                yield _sse_line(structured.delta_chunk(ids, delta))
+            reason, tail = structured.finish_with_calls(reason, calls.called), None
+        final = protocol.chunk(ids, tail, reason=reason)
         final["localctx"] = protocol.extension(event, _plan_of(state, job), parsed, job.timed_out)
         yield _sse_line(final)
         if parsed.include_usage:

@@ -13,7 +13,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from localctx.backends.base import GenerationEvent, GenerationParams, Prompt
+from localctx.app.serve import structured
+from localctx.app.serve.structured import ToolRequest
+from localctx.backends.base import GenerationEvent, GenerationParams, OutputConstraint, Prompt
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -22,7 +24,7 @@ DEFAULT_MAX_TOKENS = 512  # an answer's limit when the request gives none (at mo
 DEFAULT_MAX_TOKENS_CAP = 4096  # --max-tokens: the most tokens one answer may have
 MAX_STOPS = 4
 MAX_DEPTH = 64  # JSON nesting: OpenAI bodies need a handful of levels (a JSON schema a few more)
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class ApiError(Exception):
@@ -46,6 +48,7 @@ class ParsedRequest:
     chat: bool
     policy: KVPolicy | None = None  # from the localctx extension; None: the served policy
     capped_from: int | None = None  # the max_tokens asked for, when the server's --max-tokens lowered it
+    tools: ToolRequest | None = None  # functions the answer may call (app/serve/structured.py)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -106,8 +109,24 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise _bad(f"messages[{i}] needs a role among {', '.join(ROLES)}", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m.get("content"), i)})
+        out.append({"role": role, "content": _content(m.get("content"), i), **_tool_fields(m, i)})
     return out
+
+
+def _tool_fields(m: dict, i: int) -> dict:
+    """An assistant's ``tool_calls`` or a tool result's ``tool_call_id`` (app/serve/structured.py)."""
+    try:
+        return structured.message_fields(m, i)
+    except structured.FieldError as exc:
+        raise _bad(str(exc), exc.param) from None
+
+
+def _structured(body: dict, chat: bool) -> tuple[OutputConstraint | None, ToolRequest | None]:
+    """``response_format``'s constraint and the ``tools`` / ``tool_choice`` (app/serve/structured.py)."""
+    try:
+        return structured.response_format(body.get("response_format")), structured.tool_request(body, chat)
+    except structured.FieldError as exc:
+        raise _bad(str(exc), exc.param) from None
 
 
 def _prompt_text(body: dict) -> str:
@@ -121,6 +140,12 @@ def _prompt_text(body: dict) -> str:
 
 def parse_prompt(body: dict, chat: bool) -> Prompt:
     return _messages(body) if chat else _prompt_text(body)
+
+
+def count_prompt(body: dict) -> Prompt:
+    """The prompt /localctx/count_tokens counts: a chat's messages with the tools its template renders."""
+    chat = "messages" in body
+    return structured.with_tools(parse_prompt(body, chat), _structured(body, chat)[1])
 
 
 @dataclass(frozen=True)
@@ -228,6 +253,7 @@ def parse(body, chat: bool, model_id: str, plan: Plan, trained_context: int,
     number(body, "n")
     for unused in ("presence_penalty", "frequency_penalty"):
         number(body, unused)
+    constraint, tools = _structured(body, chat)
     max_tokens, asked = _max_tokens(body, rules)
     ignore_eos = _flag(body, "ignore_eos")
     if ignore_eos and not rules.ignore_eos:
@@ -235,15 +261,16 @@ def parse(body, chat: bool, model_id: str, plan: Plan, trained_context: int,
                    "start localctx serve with --allow-ignore-eos to allow it", "ignore_eos", "ignore_eos_off")
     params = GenerationParams(
         max_tokens=max_tokens, temperature=number(body, "temperature"), top_p=number(body, "top_p"),
-        top_k=number(body, "top_k"), seed=number(body, "seed"), stop=_stops(body), ignore_eos=ignore_eos)
+        top_k=number(body, "top_k"), seed=number(body, "seed"), stop=_stops(body), ignore_eos=ignore_eos,
+        constraint=constraint)
     if params.top_p == 0:
         params = GenerationParams(**{**params.__dict__, "top_p": 1.0, "temperature": 0.0})
     policy, context = _extension(body.get("localctx"), plan, trained_context)
-    prompt = parse_prompt(body, chat)
+    prompt = structured.with_tools(parse_prompt(body, chat), tools)
     stream = _flag(body, "stream")
     return ParsedRequest(prompt=prompt, params=params, stream=stream,
                          include_usage=_stream_options(body) if stream else False,
-                         context=context, chat=chat, policy=policy, capped_from=asked)
+                         context=context, chat=chat, policy=policy, capped_from=asked, tools=tools)
 
 
 def _extension(ext, plan: Plan, trained_context: int) -> tuple[KVPolicy | None, int | None]:

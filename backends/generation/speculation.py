@@ -205,14 +205,18 @@ BATCH_NUMERICS = ("llama.cpp computes a multi-token verify with other kernels th
                   "output can differ where the top two logits are within about 0.5; --speculate ngram accepts that")
 
 
-def resolve(mode: str, policy, batch_differs: bool = False) -> str:
+def resolve(mode: str, policy, batch_differs: bool = False, constrained: bool = False) -> str:
     """What runs for ``--speculate mode``: "ngram", "off", or "off (reason)" for auto where the
     result would not be exactly plain decoding's; ``ngram`` under a policy that cannot roll a
     draft back is a UserError. ``batch_differs``: the backend's multi-token steps round
-    differently from its one-token steps (llama.cpp), so auto stays off and ngram is the opt-in."""
+    differently from its one-token steps (llama.cpp), so auto stays off and ngram is the opt-in.
+    ``constrained``: the answer is sampled under a grammar (GenerationParams.constraint), one
+    token at a time, so drafts are off."""
     check_mode(mode)
     if mode == "off":
         return "off"
+    if constrained:
+        return "off (the answer is sampled under a grammar)"
     why = refusal(policy)
     if why and mode == "ngram":
         raise UserError(f"--speculate ngram cannot run under KV policy {policy}: {why}; "

@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
 from localctx.backends.generation.decode_loop import KVProbe, stream
+from localctx.backends.llamacpp.grammar import grammar_sampler
 from localctx.kvcache import cost
 from localctx.kvcache.errors import RuntimeFailure
 
@@ -43,12 +44,16 @@ class DecodeSequence:
     error: str | None = None  # its sampler failed: nothing more is sampled for it
 
 
-def sampler_chain(params: GenerationParams):
-    """A llama.cpp sampler chain for ``params``: greedy at temperature 0, else top-k, top-p,
+def sampler_chain(params: GenerationParams, model):
+    """A llama.cpp sampler chain for ``params``: the grammar of ``params.constraint`` first where there
+    is one (grammar.py; over ``model``'s vocabulary), then greedy at temperature 0, else top-k, top-p,
     temperature and a seeded draw. Its owner frees it (``llama_sampler_free``)."""
     import llama_cpp
 
+    rules = grammar_sampler(llama_cpp.llama_model_get_vocab(model), params.constraint) if params.constraint else None
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    if rules is not None:
+        llama_cpp.llama_sampler_chain_add(chain, rules)  # the chain owns it now
     if params.temperature <= 0:
         llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
         return chain
@@ -239,7 +244,7 @@ def _run_group(session, decoder: BatchDecoder, items, params, cancel) -> Iterato
     policy = session.plan.policy
     streams = {}
     for seq_id, (index, tokens) in enumerate(items):
-        seq = DecodeSequence(index=index, seq_id=seq_id, prompt=tokens, sampler=sampler_chain(params))
+        seq = DecodeSequence(index=index, seq_id=seq_id, prompt=tokens, sampler=sampler_chain(params, decoder.model))
         decoder.seqs.append(seq)
         clock = StatsClock(backend="llamacpp", policy=str(policy), prompt_tokens=len(tokens))
 

@@ -123,7 +123,7 @@ class LlamaSlots(SlotStreams):
         choice = self._choose(ids)
         if choice is None:
             return None
-        sampler = sampler_chain(params)  # before the slot is taken: a sampler that cannot be built holds nothing
+        sampler = sampler_chain(params, s.llm.model)  # before the slot is taken: one that fails holds nothing
         slot, shared, moves = choice
         try:
             if moves:  # cells of the old conversation past the last moved run: _forget drops them below

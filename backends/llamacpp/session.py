@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Iterator
 
 from localctx.backends.generation import speculation
-from localctx.backends.llamacpp import cache_reuse, shift
+from localctx.backends.llamacpp import cache_reuse, grammar, shift
 from localctx.backends.llamacpp import prompt_cache as llama_prompt_cache
-from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session,
+from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
@@ -225,6 +225,15 @@ class LlamaCppSession(Session):
                 return 0
         return reuse
 
+    def tool_format(self):
+        return self.template.tool_format
+
+    def constraint_refusal(self, constraint: OutputConstraint) -> str | None:
+        """llama.cpp's grammar engine (grammar.py): None when the schema's grammar parses."""
+        import llama_cpp
+
+        return grammar.refusal(llama_cpp.llama_model_get_vocab(self.llm.model), constraint)
+
     def enable_cache_reuse(self, min_run: int) -> str | None:
         """Keep runs of at least ``min_run`` cached tokens that reappear later in the next prompt,
         moved into place (cache_reuse.py; lossy); returns why not, or None."""
@@ -278,11 +287,12 @@ class LlamaCppSession(Session):
         self._reuse_chunks(prompt_ids, clock)
         if params.seed is not None:
             self.llm.set_seed(llama_seed(params.seed))  # a 32-bit seed: folded, never truncated
+        rules = grammar.llama_grammar(params.constraint) if params.constraint else None
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
-            yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature)
+            yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature, rules)
             return "stop"
         for token in self.llm.generate(prompt_ids, top_k=params.top_k, top_p=params.top_p, min_p=0.0,
-                                       temp=params.temperature, repeat_penalty=1.0):
+                                       temp=params.temperature, repeat_penalty=1.0, grammar=rules):
             yield token
             if self.llm.n_tokens >= self.plan.context:
                 return "context"
@@ -319,7 +329,8 @@ class LlamaCppSession(Session):
         params = with_template_stops(prompt, params, self.template.stops)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
-        speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True)
+        speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True,
+                                        constrained=params.constraint is not None)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=cached, speculate=speculate)
         drafted = clock.speculate == "ngram"

@@ -209,11 +209,13 @@ class ContextShift:
             del self.stream[cached:]
         self.feed(prompt_ids[cached:])
 
-    def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float) -> Iterator[int]:
-        """Feeds the part of the prompt not yet streamed, then samples; each next() decodes one step."""
+    def tokens(self, prompt_ids: list[int], top_k: int, top_p: float, temperature: float,
+               grammar=None) -> Iterator[int]:
+        """Feeds the part of the prompt not yet streamed, then samples (under ``grammar``, a LlamaGrammar,
+        where given); each next() decodes one step."""
         self.prefill(prompt_ids)
         self.llm._sampler = self.llm._init_sampler(top_k=top_k, top_p=top_p, min_p=0.0, temp=temperature,
-                                                   repeat_penalty=1.0)
+                                                   repeat_penalty=1.0, grammar=grammar)
         while True:
             token = self.llm.sample(idx=None)
             yield token

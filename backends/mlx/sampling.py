@@ -1,4 +1,6 @@
-"""Next-token choice from logits: greedy at temperature 0, else temperature + top-k + top-p."""
+"""Next-token choice from logits: greedy at temperature 0, else temperature + top-k + top-p; under a
+structured-output grammar (``guide``: backends/generation/guided.Guide) only the tokens it allows are
+candidates, and each chosen token moves it on."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,11 +9,19 @@ from localctx.backends.base import GenerationParams
 
 
 class Sampler:
-    def __init__(self, params: GenerationParams):
+    def __init__(self, params: GenerationParams, guide=None):
         self.params = params
+        self.guide = guide
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
+        if self.guide is None:
+            return self._choose(logits)
+        token = self._choose(np.where(self.guide.allowed(logits.shape[-1]), logits, -np.inf))
+        self.guide.accept(token)
+        return token
+
+    def _choose(self, logits: np.ndarray) -> int:
         p = self.params
         if p.temperature <= 0:
             return int(np.argmax(logits))

@@ -13,8 +13,8 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 
-from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, Prompt, Session,
-                                    StatsClock, check_prompt_fits, with_template_stops)
+from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, OutputConstraint,
+                                    Prompt, Session, StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.mlx import prompt_cache as mlx_prompt_cache
 from localctx.backends.mlx.policy_cache import CacheShape, ModelCache
 from localctx.backends.mlx.loading import LoadedModel, LoadOptions, load_folder, load_gguf
@@ -147,6 +147,13 @@ class MLXSession(Session):
                 self.prompt_cache.notice(f"prompt cache: could not write ({exc.strerror or exc}); continuing without")
         return self.feed(tokens[start:]) if start < len(tokens) else self.last_logits
 
+    # -- structured output (backends/generation/guided.py) ------------------------------------
+    def tool_format(self):
+        return self.tokenizer.template.tool_format
+
+    def constraint_refusal(self, constraint: OutputConstraint) -> str | None:
+        return self.tokenizer.guides.refusal(constraint)
+
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         tokens = self.tokenizer.encode(self.render(prompt))
@@ -157,7 +164,7 @@ class MLXSession(Session):
         todo, cached = self._plan_feed(tokens)
         clock = StatsClock(backend="mlx", policy=str(self.plan.policy), prompt_tokens=len(tokens),
                            cached_tokens=cached)
-        sampler = Sampler(params)
+        sampler = Sampler(params, self.tokenizer.guides.guide(params.constraint) if params.constraint else None)
 
         def ids() -> Iterator[int]:
             logits = self._prefill(tokens, todo, clock)

@@ -2,6 +2,7 @@
 vocabulary-only, no weights), Hugging Face folders through ``tokenizers`` (tokenizer.json)."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +21,19 @@ class Tokenizer:
     bytes_fn: object  # int -> bytes
     template: ChatTemplate
     eos: set[int] = field(default_factory=set)
+    n_vocab: int = 0
+    special: dict[int, str] = field(default_factory=dict)  # control tokens' texts
+    plain_encode_fn: object = None  # str -> list[int], no BOS (structured output's tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_fn(text)
+
+    @functools.cached_property
+    def guides(self):
+        """Structured output's grammars for this vocabulary (backends/generation/guided.Guides)."""
+        from localctx.backends.generation.guided import Guides, vocabulary
+
+        return Guides(lambda: vocabulary(self.n_vocab, self.bytes_fn, self.special, self.eos, self.plain_encode_fn))
 
     def token_bytes(self, token: int) -> bytes:
         return self.bytes_fn(token)
@@ -52,7 +63,9 @@ def gguf_tokenizer(path: Path, meta: GGUFHeader) -> Tokenizer:
         bos = add_bos and not (bos_text and text.startswith(bos_text))
         return vocab.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
 
-    return Tokenizer(encode_fn=encode, bytes_fn=lambda tok: vocab.detokenize([tok]), template=template, eos=eos)
+    return Tokenizer(encode_fn=encode, bytes_fn=lambda tok: vocab.detokenize([tok]), template=template, eos=eos,
+                     n_vocab=len(tokens), special={int(i): tokens[int(i)] for i in np.flatnonzero(types == 3)},
+                     plain_encode_fn=lambda text: vocab.tokenize(text.encode("utf-8"), add_bos=False, special=False))
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -110,4 +123,7 @@ def folder_tokenizer(folder: Path, cfg: dict) -> Tokenizer:
         return ([bos_id] + ids) if add_bos and bos_id is not None and ids[:1] != [bos_id] else ids
 
     template = ChatTemplate(tcfg.get("chat_template"), bos_token=bos, eos_token=eos_text)
-    return Tokenizer(encode_fn=encode, bytes_fn=token_bytes, template=template, eos=eos)
+    special = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return Tokenizer(encode_fn=encode, bytes_fn=token_bytes, template=template, eos=eos,
+                     n_vocab=tok.get_vocab_size(with_added_tokens=True), special=special,
+                     plain_encode_fn=lambda text: tok.encode(text, add_special_tokens=False).ids)

@@ -7,13 +7,14 @@ request's ``localctx`` field, and prompts are counted by the server's tokenizer.
 so, and only the portable settings pass (max_tokens, temperature, top_p, top_k, seed, stop)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from localctx.backends.base import (GenerationEvent, GenerationParams, GenerationStats,
+from localctx.backends.base import (GenerationEvent, GenerationParams, GenerationStats, OutputConstraint,
                                     Prompt, Session)
 from localctx.backends.openai.client import KEY_ENV, READ_TIMEOUT_S, Client, EndpointDown, RequestRefused
 from localctx.kvcache.errors import RuntimeFailure, UserError
@@ -187,6 +188,13 @@ class RemoteSession(Session):
         text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
         return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN_FLOOR) + (0 if isinstance(prompt, str) else 8 * len(prompt))
 
+    def constraint_refusal(self, constraint: OutputConstraint) -> str | None:
+        """The server enforces it: one JSON schema goes as ``response_format`` (a server without
+        structured output may ignore it; localctx serve enforces it)."""
+        if len(constraint.shapes) != 1 or constraint.shapes[0].prefix or constraint.shapes[0].suffix:
+            return f"{constraint.field}: the openai backend sends one JSON schema as response_format, not a grammar"
+        return None
+
     def alive(self) -> list[Endpoint]:
         """The endpoints not marked dead, in the order they were given."""
         return [e for e in self.endpoints if not e.dead]
@@ -202,6 +210,9 @@ class RemoteSession(Session):
             body["ignore_eos"] = True
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.constraint is not None:  # one bare schema (constraint_refusal): OpenAI's structured output
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "answer", "schema": json.loads(params.constraint.shapes[0].schema), "strict": True}}
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.extension:

@@ -1,4 +1,6 @@
-"""Next-token choice from logits: greedy, or temperature + top-k + top-p with a seeded generator."""
+"""Next-token choice from logits: greedy, or temperature + top-k + top-p with a seeded generator;
+under a structured-output grammar (``guide``: backends/generation/guided.Guide) only the tokens it
+allows are candidates, and each chosen token moves it on."""
 from __future__ import annotations
 
 import torch
@@ -7,8 +9,9 @@ from localctx.backends.base import GenerationParams
 
 
 class Sampler:
-    def __init__(self, params: GenerationParams):
+    def __init__(self, params: GenerationParams, guide=None):
         self.params = params
+        self.guide = guide
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -17,6 +20,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [vocab] (float32)."""
+        if self.guide is None:
+            return self._choose(logits)
+        allowed = torch.from_numpy(self.guide.allowed(logits.numel())).to(logits.device)
+        token = self._choose(logits.float().masked_fill(~allowed, float("-inf")))
+        self.guide.accept(token)
+        return token
+
+    def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.temperature <= 0:
             return int(torch.argmax(logits))

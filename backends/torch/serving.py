@@ -117,7 +117,7 @@ class SlotBatcher(SlotStreams):
             self._forget(victim)
         if committed + held_idle + worst > self.pool.n_blocks:
             return None  # waits until a live stream finishes
-        sampler = Sampler(params)  # before the slot is taken: a sampler that cannot be built holds nothing
+        sampler = self.session.sampler(params)  # grammar too; before the slot is taken: one that fails holds nothing
         with self._lock:
             return self._begin(slot, shared, ids, params, worst, sampler, cancel)
 

@@ -12,8 +12,8 @@ from typing import Iterator, Sequence
 import torch
 
 from localctx.backends.generation import speculation
-from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, Session, StatsClock,
-                                    check_prompt_fits, with_template_stops)
+from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
+                                    StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate
 from localctx.backends.generation.slots import common_prefix
 from localctx.backends.generation.decode_loop import KVProbe, stream
@@ -65,6 +65,17 @@ class TorchSession(Session):
         if room < params.max_tokens:
             return dataclasses.replace(params, max_tokens=room)
         return params
+
+    # -- structured output (backends/generation/guided.py) ---------------------------------
+    def tool_format(self):
+        return self.template.tool_format
+
+    def constraint_refusal(self, constraint: OutputConstraint) -> str | None:
+        return self.tokenizer.guides.refusal(constraint)
+
+    def sampler(self, params: GenerationParams) -> Sampler:
+        """The sampler for one answer, under its constraint's grammar where it has one."""
+        return Sampler(params, self.tokenizer.guides.guide(params.constraint) if params.constraint else None)
 
     # -- the cache ------------------------------------------------------------------------
     def kv_probe(self, seq_id: int) -> KVProbe:
@@ -133,8 +144,9 @@ class TorchSession(Session):
         cache.truncate(CONVERSATION, reused)
         self.history = self.history[:reused]
         clock = StatsClock(backend="torch", policy=str(self.plan.policy), prompt_tokens=len(ids),
-                           cached_tokens=reused, speculate=speculation.resolve(params.speculate, self.plan.policy))
-        sampler = Sampler(params)
+                           cached_tokens=reused, speculate=speculation.resolve(
+                               params.speculate, self.plan.policy, constrained=params.constraint is not None))
+        sampler = self.sampler(params)
 
         def prefill() -> torch.Tensor:
             start = self._load_from_disk(ids, reused, clock)

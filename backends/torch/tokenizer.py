@@ -4,6 +4,7 @@ the way llama.cpp's pre-tokenizer for that model does (``tokenizer.ggml.pre``), 
 SentencePiece vocabulary (``llama``: Llama 2, Gemma) as the BPE its scores define."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,21 @@ class TextTokenizer:
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    def vocabulary(self):
+        """The vocabulary as llguidance reads it (backends/generation/guided.Vocabulary)."""
+        from localctx.backends.generation.guided import vocabulary
+
+        special = {i: self.tokenizer.id_to_token(i) or "" for i in self.control_ids}
+        return vocabulary(self.tokenizer.get_vocab_size(with_added_tokens=True), self.token_bytes, special,
+                          self.eos_ids, lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def guides(self):
+        """Structured output's grammars for this vocabulary (backends/generation/guided.Guides)."""
+        from localctx.backends.generation.guided import Guides
+
+        return Guides(self.vocabulary)
 
     def token_bytes(self, token_id: int) -> bytes:
         cached = self._bytes.get(token_id)

@@ -146,6 +146,10 @@ def option_argv(command: str, option: str, takes_value: bool, tmp_path: Path) ->
         "--include": ["--include", "*.gguf"],
         "--revision": ["--revision", "main"],
     }
+    if option == "--json-schema":  # run: a schema file that exists
+        schema = tmp_path / "answer.schema.json"
+        schema.write_text('{"type": "object", "properties": {"city": {"type": "string"}}}')
+        return ["--json-schema", str(schema)]
     if (command, option) in per_command:
         return per_command[(command, option)]
     if option in samples:

@@ -21,6 +21,7 @@ from localctx.backends.llamacpp import serving as llama_serving
 from localctx.backends.llamacpp.serving import LlamaSlots
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.torch import serving as torch_serving
+from localctx.backends.torch import session as torch_session
 from localctx.backends.torch.loading import TorchOptions, build_session, load_model
 from localctx.backends.torch.serving import SlotBatcher
 from localctx.kvcache.plan import Plan
@@ -78,14 +79,15 @@ def is_victim(params) -> bool:
 def arm(fault: str, name: str, source, victim, monkeypatch) -> None:
     """Breaks the victim at ``fault``: before it starts (victim None) or after."""
     serving = torch_serving if name == "torch" else llama_serving
-    if fault == "sampler" and victim is None:
-        real = serving.Sampler if name == "torch" else serving.sampler_chain
+    if fault == "sampler" and victim is None:  # torch: the session builds it (with its grammar); llama.cpp: the chain
+        owner, attr = (source.session, "sampler") if name == "torch" else (llama_serving, "sampler_chain")
+        real = getattr(owner, attr)
 
-        def broken(params):
+        def broken(params, *model):
             if is_victim(params):
                 raise OverflowError("a seed the sampler cannot take")
-            return real(params)
-        monkeypatch.setattr(serving, "Sampler" if name == "torch" else "sampler_chain", broken)
+            return real(params, *model)
+        monkeypatch.setattr(owner, attr, broken)
     elif fault == "tokenize" and victim is None:
         real_tokenize = source.session.tokenize
         monkeypatch.setattr(source.session, "tokenize",
@@ -124,7 +126,7 @@ def arm(fault: str, name: str, source, victim, monkeypatch) -> None:
             return failing()
         monkeypatch.setattr(serving, "stream", stream)
     elif fault.startswith("sample") and victim is None and name == "torch":
-        k, real_sampler = int(fault.split()[1]), serving.Sampler
+        k, real_sampler = int(fault.split()[1]), torch_session.Sampler  # TorchSession.sampler builds it
 
         class Sampler(real_sampler):
             calls = 0
@@ -134,7 +136,7 @@ def arm(fault: str, name: str, source, victim, monkeypatch) -> None:
                 if is_victim(self.params) and self.calls == k:
                     raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
                 return super().sample(logits)
-        monkeypatch.setattr(serving, "Sampler", Sampler)
+        monkeypatch.setattr(torch_session, "Sampler", Sampler)
     elif fault.startswith("sample") and victim is not None and name == "llamacpp":
         k, lib = int(fault.split()[1]), source.llama_cpp
         real_sample, calls = lib.llama_sampler_sample, []

@@ -47,7 +47,7 @@ def test_batched_logits_match_one_sequence_at_a_time(session, n_batch, tolerance
     decoder.captured = []
     params = GenerationParams(max_tokens=4)
     for k, tokens in enumerate(ids):
-        decoder.seqs.append(DecodeSequence(index=k, seq_id=k, prompt=tokens, sampler=sampler_chain(params)))
+        decoder.seqs.append(DecodeSequence(index=k, seq_id=k, prompt=tokens, sampler=sampler_chain(params, decoder.model)))
     gens = [decoder.tokens(seq) for seq in decoder.seqs]
     try:
         produced = [[next(g)] for g in gens]
