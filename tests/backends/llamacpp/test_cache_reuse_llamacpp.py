@@ -191,9 +191,9 @@ def test_a_sliding_window_model_in_the_compact_cache_is_refused(tmp_path):
 
 def run_turn(slots, prompt, params):
     """Starts ``prompt`` on the server's slots and steps them until it is done: (stream, done event)."""
-    stream, event = slots.start(prompt, params, None)
-    while event.kind != "done":
-        event = next(e for s, e in slots.step() if s is stream)
+    stream, event = slots.start(prompt, params, None)  # None: prefilled a chunk per step
+    while event is None or event.kind != "done":
+        event = next((e for s, e in slots.step() if s is stream), None)
     return stream, event
 
 
