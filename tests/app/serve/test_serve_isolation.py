@@ -9,7 +9,6 @@ this process, which a busy machine's preemption does not stretch), and a stream 
 its prefill stops at the next chunk."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -255,9 +254,7 @@ def test_a_long_prompt_prefills_a_chunk_per_step_between_the_neighbours_tokens(b
     whole = make()  # the same prompt's prefill in one piece, beside nothing, for the time it takes
     whole.prefill_chunk = 10 ** 6
     stream, _ = whole.start(prompt, greedy, None)
-    started = time.process_time()
     (_, first_whole), = whole.step()
-    whole_prefill_s = time.process_time() - started
     reference = [first_whole.token]  # greedy: a chunked prefill's first token is the same
     whole.cancel_all()
 
@@ -267,19 +264,20 @@ def test_a_long_prompt_prefills_a_chunk_per_step_between_the_neighbours_tokens(b
     while neighbour.events is None:
         source.step()
     long, _ = source.start(prompt, greedy, None, ids=source.tokenize(prompt))
-    times, tokens, first_long = [], [], None
+    neighbour_events, first_long = [], None
     while first_long is None:
         for s, e in source.step():
             if s is neighbour:
-                times.append(time.process_time())
+                neighbour_events.append(e)
             elif s is long:
                 first_long = e
     assert first_long.kind == "token"
     assert max(source.prefill_steps) <= chunk  # never more than one chunk of prompt in a step
-    assert len(times) >= n_prompt // chunk - 1  # the neighbour got a token in every step the prompt prefilled
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    if name == "llamacpp":  # a step's gap is one chunk's prefill and one decode, far below the whole prefill
-        assert max(gaps) < 0.5 * whole_prefill_s, (max(gaps), whole_prefill_s)
+    assert len(neighbour_events) >= n_prompt // chunk - 1  # the neighbour got a token in every step the prompt prefilled
+    # each step between two of the neighbour's tokens prefilled at most one chunk (above) and the prompt
+    # took several steps: the delay is counted in tokens, not timed (CPU time includes llama.cpp's
+    # spinning threads, which a loaded host inflates without bound)
+    assert sum(source.prefill_steps) >= n_prompt - chunk and len(source.prefill_steps) >= n_prompt // chunk
     assert first_long.token == reference[0]
     source.cancel_all()
     assert all_free(source)
