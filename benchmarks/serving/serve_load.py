@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import openai
 import psutil
+from server_process import launch
 
 WORDS = ("the cache keeps recent tokens while sinks hold the start and quantized keys save memory so long "
          "contexts fit in the budget of a small machine").split()
@@ -65,8 +65,7 @@ class Sample:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "localctx.app.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--backend", args.backend, "--parallel", str(args.parallel), "--queue", str(max(8, args.clients * 2))]
+    cmd = ["--backend", args.backend, "--parallel", str(args.parallel), "--queue", str(max(8, args.clients * 2))]
     if args.model:
         cmd += ["-m", args.model]
     if args.kv:
@@ -75,16 +74,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--context", str(args.context)]
     if args.ignore_eos:
         cmd += ["--allow-ignore-eos"]  # off by default: the operator lets requests run past end-of-text
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        first = lines.get(timeout=300)
-    except queue.Empty:
-        proc.kill()
-        raise SystemExit("localctx serve did not start: " + proc.stderr.read())
-    print(first.strip(), file=sys.stderr)
-    return proc, first.split()[2]
+    return launch(cmd)
 
 
 def ask(client: openai.OpenAI, model: str, messages: list, max_tokens: int, ignore_eos: bool = False) -> Sample:

@@ -24,7 +24,6 @@ import argparse
 import http.client
 import json
 import os
-import queue
 import random
 import statistics
 import subprocess
@@ -35,6 +34,7 @@ from collections import Counter
 from urllib.parse import urlsplit
 
 import psutil
+from server_process import launch
 from prometheus_client.parser import text_string_to_metric_families
 
 TOPICS = ("the cache", "a window of tokens", "quantized keys", "attention sinks", "a small machine", "long contexts")
@@ -42,23 +42,13 @@ MALFORMED = ("not json", "nan", "seed 2**64", "deep", "text/plain", "foreign hos
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "localctx.app.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--backend", args.backend, "--parallel", str(args.parallel), "--queue", str(2 * args.clients),
+    cmd = ["--backend", args.backend, "--parallel", str(args.parallel), "--queue", str(2 * args.clients),
            "--max-tokens", str(args.max_tokens), "--context", str(args.context)]
     if args.model:
         cmd += ["-m", args.model]
     if args.kv:
         cmd += ["--kv", args.kv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        first = lines.get(timeout=300)
-    except queue.Empty:
-        proc.kill()
-        raise SystemExit("localctx serve did not start: " + proc.stderr.read())
-    print(first.strip(), file=sys.stderr)
-    return proc, first.split()[2]
+    return launch(cmd)
 
 
 class Client:

@@ -14,6 +14,7 @@ PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "serving" / "serve_l
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(PATH.parent))  # its sibling server_process.py, as when run as a script
     spec = importlib.util.spec_from_file_location("serve_load", PATH)
     module = importlib.util.module_from_spec(spec)
     sys.modules["serve_load"] = module  # its dataclasses look their module up there
