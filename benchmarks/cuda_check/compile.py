@@ -1,0 +1,199 @@
+"""Compile every CUDA kernel specialization the backend can launch, ahead of time and without a GPU,
+and report each one's resource use: registers per thread, spill stores/loads, shared memory, local
+memory, warps, and the occupancy that follows on each architecture (docs/benchmarks-cuda.md).
+
+    python benchmarks/cuda_check/compile.py --arch sm_89,sm_90 --json docs/results/cuda/compile.json \\
+        --table kernels_cuda/resource_table.json
+
+Specializations come from ``specializations.py`` (the wrappers' own launches, recorded); each is
+compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 89 or 90, 32))`` in a fresh
+Triton cache, and read back with ``resources.py``. Exit status 1 when any specialization fails to
+compile, spills, uses local memory, or needs more shared memory than the architecture gives a
+block; 2 for bad arguments. (A 32-byte stack frame without spills is the range reduction of
+``tl.cos``/``tl.sin`` for large angles, which keeps a small array on the stack: reported, not failed.)
+``--table`` updates the launcher's table for the compiled architectures and keeps the others', so
+the two architectures may be compiled by two commands. ``--subset ci`` compiles the few of ``specializations.subset_ci``."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="sm_89,sm_90", help="comma-separated: sm_89 (RTX 4090), sm_90 (H100)")
+    p.add_argument("--json", type=Path, required=True, help="where the per-specialization JSON goes")
+    p.add_argument("--table", type=Path, default=None,
+                   help="also write the launcher's resource table (kernels_cuda/resource_table.json)")
+    p.add_argument("--subset", choices=("all", "ci"), default="all")
+    p.add_argument("--block-n", type=int, default=None,
+                   help="compile this key tile at every head dim instead of the launcher's choices (to see why "
+                        "it is not one)")
+    p.add_argument("--only", default=None, help="a regular expression: compile only the cases whose label matches")
+    p.add_argument("--jobs", type=int, default=1, help="compile processes (each compile is single-threaded)")
+    return p.parse_args(argv)
+
+
+def _compile_one(job: tuple) -> dict:
+    """Worker: compile one specialization for one architecture and read its resources back."""
+    module_name, kernel_name, signature, constexprs, attrs, options, arch_name = job
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import resources
+    from localctx.kernels_cuda import occupancy
+
+    limits = occupancy.arch(arch_name)
+    kernel = getattr(importlib.import_module(module_name), kernel_name)
+    t0 = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                  target=GPUTarget("cuda", limits.capability, 32), options=dict(options))
+    except Exception as exc:  # a compile error is a result, reported and failed on
+        return {"ok": False, "problems": [f"compile error: {type(exc).__name__}: {str(exc)[-1500:]}"],
+                "compile_s": round(time.perf_counter() - t0, 2)}
+    compile_s = time.perf_counter() - t0
+    tools = resources.Tools.from_triton()
+    md = compiled.metadata
+    ptx = resources.ptxas_info(tools, compiled.asm["ptx"], limits.name, md.name, md.enable_fp_fusion)
+    cubin = resources.cubin_info(tools, compiled.asm["cubin"], md.name)
+    shared = md.shared + cubin.shared
+    occ = occupancy.occupancy(limits, cubin.registers, shared, md.num_warps)
+    problems = []
+    if ptx.spill_stores or ptx.spill_loads:
+        problems.append(f"spills: {ptx.spill_stores} B stored, {ptx.spill_loads} B loaded")
+    if cubin.local:
+        problems.append(f"local memory {cubin.local} B")
+    if shared > limits.smem_per_block:
+        problems.append(f"shared memory {shared} B over the {limits.smem_per_block} B a block may use")
+    if ptx.registers != cubin.registers:
+        problems.append(f"ptxas -v says {ptx.registers} registers, the cubin {cubin.registers}")
+    return {"ok": not problems, "problems": problems, "registers": cubin.registers,
+            "spill_stores": ptx.spill_stores, "spill_loads": ptx.spill_loads, "stack": cubin.stack,
+            "local": cubin.local, "shared": shared, "shared_dynamic": md.shared, "shared_static": cubin.shared,
+            "warps": md.num_warps, "stages": md.num_stages, "blocks_per_sm": occ.blocks_per_sm,
+            "warps_per_sm": occ.warps_per_sm, "occupancy": round(occ.fraction, 4), "limiter": occ.limiter,
+            "cubin_bytes": len(compiled.asm["cubin"]), "compile_s": round(compile_s, 2)}
+
+
+def _load() -> str:
+    try:
+        return open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        return "unknown"
+
+
+def table_rows(specs: list[dict], archs: list[str]) -> dict:
+    """The launcher's table: partial_kernel's resources per table key and arch (the largest where
+    two specializations share a key, e.g. the paged and policy full-precision paths)."""
+    from localctx.kernels_cuda import launch
+
+    out = {a: {} for a in archs}
+    for spec in specs:
+        if spec["kernel"] != "partial_kernel":
+            continue
+        c = spec["constexprs"]
+        key = launch.table_key(c["HEAD_DIM"], spec["dtype"],
+                               launch.segment_name(c["BITS"] if c["HAS_QUANT"] else None, c["GROUP"], c["ROPE"]),
+                               c["BLOCK_N"])
+        for a in archs:
+            r = spec["results"][a]
+            if not r.get("registers"):
+                continue
+            row = {"registers": r["registers"], "shared": r["shared"], "warps": r["warps"],
+                   "spills": r["spill_stores"] + r["spill_loads"]}
+            old = out[a].get(key)
+            out[a][key] = row if old is None else {k: max(old[k], row[k]) for k in row}
+    return {a: dict(sorted(rows.items())) for a, rows in out.items()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("compile.py: TRITON_INTERPRET is set; unset it (the interpreter builds no machine code)", file=sys.stderr)
+        return 2
+    cache = tempfile.mkdtemp(prefix="cuda-compile-cache-")
+    os.environ["TRITON_CACHE_DIR"] = cache  # every specialization really compiles, and nothing stale is read
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said out loud
+    sys.path.insert(0, str(HERE))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    import resources
+    import specializations as S
+    from localctx.kernels_cuda import occupancy
+
+    try:
+        archs = [occupancy.arch(a).name for a in args.arch.split(",") if a.strip()]
+    except ValueError as exc:
+        print(f"compile.py: {exc}", file=sys.stderr)
+        return 2
+    backend = CUDABackend(GPUTarget("cuda", occupancy.ARCHS[archs[0]].capability, 32))
+    cases = S.subset_ci() if args.subset == "ci" else S.cases(block_n=args.block_n)
+    if args.only:
+        cases = [c for c in cases if re.search(args.only, c.label)]
+    specs = S.specializations(cases, backend)
+    jobs = [(s.kernel.fn.__module__, s.name, s.signature, s.constexprs, s.attrs, s.options, a) for s in specs for a in archs]
+    t0 = time.perf_counter()
+    try:
+        if args.jobs > 1:
+            with ProcessPoolExecutor(args.jobs) as pool:
+                results = list(pool.map(_compile_one, jobs))
+        else:
+            results = [_compile_one(j) for j in jobs]
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    wall = time.perf_counter() - t0
+    rows = []
+    it = iter(results)
+    for s in specs:
+        rows.append({"kernel": s.name, "dtype": next(s.signature[p] for p in ("q_ptr", "x_ptr", "out_ptr") if p in s.signature).lstrip("*"),
+                     "constexprs": s.constexpr_values(), "options": s.options, "pointers": s.pointer_types(), "divisible_by_16": s.divisible(),
+                     "cases": s.cases, "results": {a: next(it) for a in archs}})
+    failed = [(r["kernel"], a, r["results"][a]["problems"]) for r in rows for a in archs if not r["results"][a]["ok"]]
+    summary = {a: {"compiled": sum(1 for r in rows if "registers" in r["results"][a]),
+                   "failed": sum(1 for r in rows if not r["results"][a]["ok"]),
+                   "spilling": sum(1 for r in rows if r["results"][a].get("spill_stores", 0)
+                                   + r["results"][a].get("spill_loads", 0)),
+                   "max_registers": max((r["results"][a].get("registers", 0) for r in rows), default=0),
+                   "max_shared": max((r["results"][a].get("shared", 0) for r in rows), default=0)} for a in archs}
+    data = {"command": "python benchmarks/cuda_check/compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "note": "compiled, not run: no GPU executed these kernels; occupancy is arithmetic from the limits below",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host_load_1_5_15": _load(), "host_cpus": os.cpu_count(),
+            "jobs": args.jobs, "wall_s": round(wall, 1), "triton": triton.__version__,
+            "tools": resources.Tools.from_triton().versions([occupancy.ARCHS[a].capability for a in archs]), "subset": args.subset,
+            "archs": {a: vars(occupancy.ARCHS[a]) for a in archs}, "n_cases": len(cases),
+            "n_specializations": len(specs), "summary": summary, "failed": failed, "specializations": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    if args.table is not None:  # the compiled archs' rows replace theirs; other archs' rows stay
+        old = json.loads(args.table.read_text()) if args.table.exists() else {"archs": {}}
+        sources = {a: data["command"] for a in archs}
+        table = {"sources": old.get("sources", {}) | sources, "triton": triton.__version__,
+                 "archs": old["archs"] | table_rows(rows, archs)}
+        args.table.write_text(json.dumps(table, indent=1) + "\n")
+    for a in archs:
+        print(f"{a}: {summary[a]}")
+    for kernel, a, problems in failed:
+        print(f"FAILED {kernel} {a}: {'; '.join(problems)}", file=sys.stderr)
+    print(f"{len(specs)} specializations from {len(cases)} cases, {len(jobs)} compiles in {wall:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
