@@ -13,9 +13,10 @@ sm_89 and sm_90) and the occupancy arithmetic of ``occupancy.py``:
    spill and keeps at least ``MIN_RESIDENT`` programs per SM (one program's memory wait hides
    behind another's); else the smallest. Larger tiles mean fewer loop trips and wider loads. The
    choices themselves come from the compiled numbers: 64 keys only at head dim 64 (see below).
-   Warps per program: ``num_warps`` (eight once the larger tile, a quantized group or BLOCK_N,
-   holds 8,192 elements: four spill there).
-2. Splits: enough programs for one full wave, SMs × resident programs per SM, divided among the
+2. Warps: the table row's (the fewest that compiled without a spill: ``compile.py`` compiles
+   each kernel with ``num_warps``'s default, four or eight by tile size, and again with eight where
+   that spilled); ``num_warps`` where the table has no row.
+3. Splits: enough programs for one full wave, SMs × resident programs per SM, divided among the
    (sequence, KV head, row block) programs, capped by the key tiles and ``MAX_SPLITS``.
 
 The SM count is the device's own; the resources are those of the device's architecture when the
@@ -113,15 +114,30 @@ def table_key(head_dim: int, dtype: str, segment: str, block_n: int) -> str:
     return f"d{head_dim}/{dtype}/{segment}/bn{block_n}"
 
 
+MASS = "mass/"  # the table key prefix of mass_kernel's rows (partial_kernel's have none)
+
+
 @functools.cache
 def resource_table() -> dict:
-    """{arch: {table_key: {"registers", "shared", "warps", "spills"}}} for partial_kernel."""
+    """{arch: {table_key: {"registers", "shared", "warps", "spills"}}}: partial_kernel's rows, and
+    mass_kernel's under ``MASS`` + key; each row is the fewest warps that compiled without a spill."""
     return json.loads(TABLE.read_text())["archs"]
 
 
 def num_warps(head_dim: int, tile_keys: int) -> int:
-    """Warps per program for key tiles of ``tile_keys`` keys (a quantized group or BLOCK_N)."""
+    """Warps per program where the table has no row: eight once a tile of ``tile_keys`` keys (a
+    quantized group or BLOCK_N) holds ``WIDE_TILE`` elements, else four."""
     return 8 if head_dim * tile_keys >= WIDE_TILE else 4
+
+
+def table_warps(arch: str, key: str, default: int) -> int:
+    """The warps a specialization launches with: its table row's when that row is spill-free; eight
+    when the row spilled (``compile.py --num-warps 8 --only-failed`` compiles those, and its
+    spill-free row replaces the spilling one); ``default`` when the table lacks the key."""
+    row = resource_table().get(arch, {}).get(key)
+    if row is None:
+        return default
+    return 8 if row["spills"] else row["warps"]
 
 
 def block_n_choices(head_dim: int) -> tuple[int, ...]:
@@ -133,6 +149,8 @@ def block_n_choices(head_dim: int) -> tuple[int, ...]:
 class Launch:
     block_n: int
     splits: int
+    warps: int  # partial_kernel's
+    mass_warps: int  # mass_kernel's
     arch: str  # whose compiled resources decided
     resident: int  # programs per SM of the chosen tile
 
@@ -162,9 +180,10 @@ def resident_programs(arch: str, key: str) -> int:
 
 
 def choose_launch(view: DeviceView, head_dim: int, dtype: str, segment: str, n_tiles_of, programs: int,
-                  config: LaunchConfig = LaunchConfig()) -> Launch:
-    """The key tile and split count (rule in the module docstring); ``n_tiles_of(block_n)`` gives the
-    key tiles for a tile size, ``programs`` the (sequence, KV head, row block) programs."""
+                  config: LaunchConfig = LaunchConfig(), group: int = 0) -> Launch:
+    """The key tile, warps and split count (rule in the module docstring); ``n_tiles_of(block_n)``
+    gives the key tiles for a tile size, ``programs`` the (sequence, KV head, row block) programs,
+    ``group`` the quantized group size (0: none)."""
     choices = block_n_choices(head_dim)
     resident = {bn: resident_programs(view.arch, table_key(head_dim, dtype, segment, bn)) for bn in choices}
     if config.block_n is not None:
@@ -180,8 +199,10 @@ def choose_launch(view: DeviceView, head_dim: int, dtype: str, segment: str, n_t
         splits = 4
     else:
         splits = math.ceil(view.sms * per_sm / max(programs, 1))
+    key = table_key(head_dim, dtype, segment, block_n)
+    warps = table_warps(view.arch, key, num_warps(head_dim, max(block_n, group)))
     return Launch(block_n, max(1, min(splits, n_tiles, MAX_SPLITS if config.splits is None else n_tiles)),
-                  view.arch, resident.get(block_n, 0))
+                  warps, table_warps(view.arch, MASS + key, warps), view.arch, resident.get(block_n, 0))
 
 
 def rope_table(inv_freq: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -210,9 +231,9 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
     m_blocks = math.ceil(rows / BLOCK_M)
     segment = segment_name(quant.bits if quant is not None else None, g, inv_freq is not None)
     chosen = choose_launch(DeviceView.of(dev), D, DTYPE_NAMES.get(q.dtype, str(q.dtype)), segment,
-                           lambda bn: max_groups + math.ceil(full.max_tokens / bn), B * Hkv * m_blocks, config)
+                           lambda bn: max_groups + math.ceil(full.max_tokens / bn), B * Hkv * m_blocks, config,
+                           group=g if quant is not None else 0)
     block_n, splits = chosen.block_n, chosen.splits
-    warps = num_warps(D, max(block_n, g if quant is not None else 0))
     if max(g, block_n) > K.ROPE_TILE.value:
         raise ValueError(f"tiles of {max(g, block_n)} keys exceed the rope table ({K.ROPE_TILE.value})")
     n_tiles = max_groups + math.ceil(full.max_tokens / block_n)
@@ -236,7 +257,7 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
         o_part, m_part, l_part,
         rows, Hkv, max_groups, full.block_size, full.block_table.shape[1], fpos_stride,
         *full.k_strides, *full.v_strides, qk_scale, mask.sinks, window, splits,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=warps, **common)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=chosen.warps, **common)
     out = torch.empty((B, Hkv, rows, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, Hkv, rows), dtype=torch.float32, device=dev)
     K.merge_kernel[(B * Hkv, m_blocks)](o_part, m_part, l_part, out, lse, rows, splits,
@@ -252,5 +273,5 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
         full.k, full.block_table, full.positions, full.n_tokens, mass,
         rows, Hkv, max_groups, full.block_size, full.block_table.shape[1], fpos_stride, n_keys,
         *full.k_strides, qk_scale, mask.sinks, window,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=warps, **common)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=chosen.mass_warps, **common)
     return result, mass.sum(dim=1)

@@ -11,8 +11,10 @@ Triton cache, and read back with ``resources.py``. Exit status 1 when any specia
 compile, spills, uses local memory, or needs more shared memory than the architecture gives a
 block; 2 for bad arguments. (A 32-byte stack frame without spills is the range reduction of
 ``tl.cos``/``tl.sin`` for large angles, which keeps a small array on the stack: reported, not failed.)
-``--table`` updates the launcher's table for the compiled architectures and keeps the others', so
-the two architectures may be compiled by two commands. ``--subset ci`` compiles the few of ``specializations.subset_ci``."""
+``--table`` merges the compiled rows into the launcher's table (``merge_table``: per key, the fewest
+warps that compiled without a spill), so the architectures may be compiled by separate commands,
+and ``--num-warps 8 --only-failed JSON`` recompiles what spilled with eight warps; ``--from-json``
+rebuilds the table from JSON files without compiling. ``--subset ci`` compiles the few of ``specializations.subset_ci``."""
 from __future__ import annotations
 
 import argparse
@@ -33,13 +35,21 @@ ROOT = HERE.parents[1]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="sm_89,sm_90", help="comma-separated: sm_89 (RTX 4090), sm_90 (H100)")
-    p.add_argument("--json", type=Path, required=True, help="where the per-specialization JSON goes")
+    p.add_argument("--json", type=Path, default=None, help="where the per-specialization JSON goes")
     p.add_argument("--table", type=Path, default=None,
                    help="also write the launcher's resource table (kernels_cuda/resource_table.json)")
     p.add_argument("--subset", choices=("all", "ci"), default="all")
     p.add_argument("--block-n", type=int, default=None,
                    help="compile this key tile at every head dim instead of the launcher's choices (to see why "
                         "it is not one)")
+    p.add_argument("--num-warps", type=int, default=None,
+                   help="compile every specialization with this many warps instead of the launcher's (to see why "
+                        "it does not use them)")
+    p.add_argument("--only-failed", type=Path, default=None,
+                   help="a compile.py JSON: compile only the cases of its failed specializations (with --num-warps 8, "
+                        "the retry whose spill-free rows replace the spilling ones in --table)")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None,
+                   help="compile nothing: rebuild --table from these compile.py JSON files")
     p.add_argument("--only", default=None, help="a regular expression: compile only the cases whose label matches")
     p.add_argument("--jobs", type=int, default=1, help="compile processes (each compile is single-threaded)")
     return p.parse_args(argv)
@@ -98,31 +108,82 @@ def _load() -> str:
 
 
 def table_rows(specs: list[dict], archs: list[str]) -> dict:
-    """The launcher's table: partial_kernel's resources per table key and arch (the largest where
-    two specializations share a key, e.g. the paged and policy full-precision paths)."""
+    """The launcher's rows from compiled specializations: partial_kernel's under its table key and
+    mass_kernel's under ``launch.MASS`` + key, per arch, each as a list of candidate rows."""
     from localctx.kernels_cuda import launch
 
     out = {a: {} for a in archs}
     for spec in specs:
-        if spec["kernel"] != "partial_kernel":
+        if spec["kernel"] not in ("partial_kernel", "mass_kernel"):
             continue
         c = spec["constexprs"]
         key = launch.table_key(c["HEAD_DIM"], spec["dtype"],
                                launch.segment_name(c["BITS"] if c["HAS_QUANT"] else None, c["GROUP"], c["ROPE"]),
                                c["BLOCK_N"])
+        key = key if spec["kernel"] == "partial_kernel" else launch.MASS + key
         for a in archs:
-            r = spec["results"][a]
-            if not r.get("registers"):
-                continue
-            row = {"registers": r["registers"], "shared": r["shared"], "warps": r["warps"],
-                   "spills": r["spill_stores"] + r["spill_loads"]}
-            old = out[a].get(key)
-            out[a][key] = row if old is None else {k: max(old[k], row[k]) for k in row}
-    return {a: dict(sorted(rows.items())) for a, rows in out.items()}
+            r = spec["results"].get(a, {})
+            if r.get("registers"):
+                out[a].setdefault(key, []).append({"registers": r["registers"], "shared": r["shared"],
+                                                   "warps": r["warps"],
+                                                   "spills": r["spill_stores"] + r["spill_loads"]})
+    return out
+
+
+def merge_table(old: dict, new: dict) -> dict:
+    """Per arch and key, the row the launcher uses: among the candidates (old rows and new), those
+    with the fewest warps that compiled without a spill (else those with the most warps), folded
+    into one row by the maximum of each figure (two specializations can share a key, e.g. the paged
+    and the policy full-precision kernels, which differ only in stride divisibility)."""
+    merged = {}
+    for arch in sorted(set(old) | set(new)):
+        keys = set(old.get(arch, {})) | set(new.get(arch, {}))
+        merged[arch] = {}
+        for key in sorted(keys):
+            rows = [old[arch][key]] if key in old.get(arch, {}) else []
+            rows += new.get(arch, {}).get(key, [])
+            clean = [r for r in rows if not r["spills"]]
+            pool = clean or rows
+            warps = min(r["warps"] for r in pool) if clean else max(r["warps"] for r in pool)
+            same = [r for r in pool if r["warps"] == warps]
+            merged[arch][key] = {k: max(r[k] for r in same) for k in ("registers", "shared", "warps", "spills")}
+    return merged
+
+
+def write_table(path: Path, new_rows: dict, sources: list[str], triton_version: str, fresh: bool = False) -> None:
+    old = json.loads(path.read_text()) if path.exists() and not fresh else {"archs": {}}
+    table = {"sources": list(dict.fromkeys(list(old.get("sources", [])) + sources)), "triton": triton_version,
+             "archs": merge_table(old["archs"], new_rows)}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+
+
+def failed_labels(path: Path) -> set[str]:
+    """The case labels of every specialization that failed in a compile.py JSON."""
+    data = json.loads(path.read_text())
+    return {label for s in data["specializations"] for r in s["results"].values() if not r["ok"]
+            for label in s["cases"]}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    command = "python benchmarks/cuda_check/compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.from_json:
+        if args.table is None:
+            print("compile.py: --from-json rebuilds --table; name it", file=sys.stderr)
+            return 2
+        rows, version = {}, None
+        for path in args.from_json:
+            data = json.loads(path.read_text())
+            version = data["triton"]
+            for arch, by_key in table_rows(data["specializations"], list(data["archs"])).items():
+                for key, cands in by_key.items():
+                    rows.setdefault(arch, {}).setdefault(key, []).extend(cands)
+        write_table(args.table, rows, [command], version, fresh=True)
+        print(f"{args.table}: " + ", ".join(f"{a}: {len(k)} rows" for a, k in rows.items()))
+        return 0
+    if args.json is None:
+        print("compile.py: --json is required (where the results go)", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET"):
         print("compile.py: TRITON_INTERPRET is set; unset it (the interpreter builds no machine code)", file=sys.stderr)
         return 2
@@ -147,46 +208,66 @@ def main(argv=None) -> int:
     cases = S.subset_ci() if args.subset == "ci" else S.cases(block_n=args.block_n)
     if args.only:
         cases = [c for c in cases if re.search(args.only, c.label)]
-    specs = S.specializations(cases, backend)
+    if args.only_failed:
+        wanted = failed_labels(args.only_failed)
+        cases = [c for c in cases if c.label in wanted]
+    # the launcher's table first (partial_kernel), the heavy-hitter mass kernel last
+    order = ("partial_kernel", "merge_kernel", "quant_keys_kernel", "quant_values_kernel", "mass_kernel")
+    specs = sorted(S.specializations(cases, backend), key=lambda s: order.index(s.name))
+    if args.num_warps:
+        for s in specs:
+            s.options["num_warps"] = args.num_warps
     jobs = [(s.kernel.fn.__module__, s.name, s.signature, s.constexprs, s.attrs, s.options, a) for s in specs for a in archs]
     t0 = time.perf_counter()
+    base = {"command": command,
+            "note": "compiled, not run: no GPU executed these kernels; occupancy is arithmetic from the limits below",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host_cpus": os.cpu_count(), "jobs": args.jobs,
+            "triton": triton.__version__,
+            "tools": resources.Tools.from_triton().versions([occupancy.ARCHS[a].capability for a in archs]),
+            "subset": args.subset, "archs": {a: vars(occupancy.ARCHS[a]) for a in archs}, "n_cases": len(cases),
+            "n_specializations": len(specs)}
+    results = []
+
+    def write(done: bool) -> dict:
+        """The JSON so far (rewritten after every compile, so a run cut short keeps what it had)."""
+        rows = []
+        for i, s in enumerate(specs[:len(results) // len(archs)]):
+            rows.append({"kernel": s.name,
+                         "dtype": next(s.signature[p] for p in ("q_ptr", "x_ptr", "out_ptr") if p in s.signature).lstrip("*"),
+                         "constexprs": s.constexpr_values(), "options": s.options, "pointers": s.pointer_types(),
+                         "divisible_by_16": s.divisible(), "cases": s.cases,
+                         "results": {a: results[i * len(archs) + j] for j, a in enumerate(archs)}})
+        failed = [(r["kernel"], a, r["results"][a]["problems"]) for r in rows for a in archs if not r["results"][a]["ok"]]
+        summary = {a: {"compiled": sum(1 for r in rows if "registers" in r["results"][a]),
+                       "failed": sum(1 for r in rows if not r["results"][a]["ok"]),
+                       "spilling": sum(1 for r in rows if r["results"][a].get("spill_stores", 0)
+                                       + r["results"][a].get("spill_loads", 0)),
+                       "max_registers": max((r["results"][a].get("registers", 0) for r in rows), default=0),
+                       "max_shared": max((r["results"][a].get("shared", 0) for r in rows), default=0)} for a in archs}
+        data = base | {"complete": done, "wall_s": round(time.perf_counter() - t0, 1),
+                       "host_load_1_5_15": _load(), "summary": summary, "failed": failed, "specializations": rows}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, args.json)
+        return data
+
     try:
         if args.jobs > 1:
             with ProcessPoolExecutor(args.jobs) as pool:
-                results = list(pool.map(_compile_one, jobs))
+                for r in pool.map(_compile_one, jobs):
+                    results.append(r)
+                    write(False)
         else:
-            results = [_compile_one(j) for j in jobs]
+            for j in jobs:
+                results.append(_compile_one(j))
+                write(False)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    wall = time.perf_counter() - t0
-    rows = []
-    it = iter(results)
-    for s in specs:
-        rows.append({"kernel": s.name, "dtype": next(s.signature[p] for p in ("q_ptr", "x_ptr", "out_ptr") if p in s.signature).lstrip("*"),
-                     "constexprs": s.constexpr_values(), "options": s.options, "pointers": s.pointer_types(), "divisible_by_16": s.divisible(),
-                     "cases": s.cases, "results": {a: next(it) for a in archs}})
-    failed = [(r["kernel"], a, r["results"][a]["problems"]) for r in rows for a in archs if not r["results"][a]["ok"]]
-    summary = {a: {"compiled": sum(1 for r in rows if "registers" in r["results"][a]),
-                   "failed": sum(1 for r in rows if not r["results"][a]["ok"]),
-                   "spilling": sum(1 for r in rows if r["results"][a].get("spill_stores", 0)
-                                   + r["results"][a].get("spill_loads", 0)),
-                   "max_registers": max((r["results"][a].get("registers", 0) for r in rows), default=0),
-                   "max_shared": max((r["results"][a].get("shared", 0) for r in rows), default=0)} for a in archs}
-    data = {"command": "python benchmarks/cuda_check/compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "note": "compiled, not run: no GPU executed these kernels; occupancy is arithmetic from the limits below",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host_load_1_5_15": _load(), "host_cpus": os.cpu_count(),
-            "jobs": args.jobs, "wall_s": round(wall, 1), "triton": triton.__version__,
-            "tools": resources.Tools.from_triton().versions([occupancy.ARCHS[a].capability for a in archs]), "subset": args.subset,
-            "archs": {a: vars(occupancy.ARCHS[a]) for a in archs}, "n_cases": len(cases),
-            "n_specializations": len(specs), "summary": summary, "failed": failed, "specializations": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(data, indent=1) + "\n")
-    if args.table is not None:  # the compiled archs' rows replace theirs; other archs' rows stay
-        old = json.loads(args.table.read_text()) if args.table.exists() else {"archs": {}}
-        sources = {a: data["command"] for a in archs}
-        table = {"sources": old.get("sources", {}) | sources, "triton": triton.__version__,
-                 "archs": old["archs"] | table_rows(rows, archs)}
-        args.table.write_text(json.dumps(table, indent=1) + "\n")
+    data = write(True)
+    rows, summary, failed, wall = data["specializations"], data["summary"], data["failed"], data["wall_s"]
+    if args.table is not None:
+        write_table(args.table, table_rows(rows, archs), [command], triton.__version__)
     for a in archs:
         print(f"{a}: {summary[a]}")
     for kernel, a, problems in failed:

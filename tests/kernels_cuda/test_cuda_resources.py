@@ -3,6 +3,7 @@ the tool output parsers on real ptxas/cuobjdump text, the occupancy of hand-comp
 launch rule on a made-up table, and the committed table's coverage of what the launcher can pick."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -15,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "cuda_check"))
 import resources  # noqa: E402  (benchmarks/cuda_check/resources.py)
 
+_spec = importlib.util.spec_from_file_location("cuda_compile", ROOT / "benchmarks" / "cuda_check" / "compile.py")
+compile_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compile_script)
 sys.path.remove(str(ROOT / "benchmarks" / "cuda_check"))
 
 # real output of Triton 3.9's ptxas (CUDA 13.1, sm_90a) for merge_kernel, and of a spilling kernel (sm_89)
@@ -113,6 +117,29 @@ def test_launch_takes_the_larger_tile_while_two_programs_fit(table):
     assert (fixed.block_n, fixed.splits) == (32, 5)
     # a shape the table lacks takes the smallest tile
     assert launch.choose_launch(view, 64, "bf16", "fp-rope", tiles, 8).block_n == 32
+
+
+def test_warps_come_from_the_table_rows(table):
+    """A spill-free row gives its warps; a spilling row sends the launch to eight (the retry compiles
+    those); a key without a row takes the tile-size default."""
+    rows = launch.resource_table()["sm_89"]
+    rows[launch.MASS + launch.table_key(64, "fp16", "int4-g32", 64)] = {"registers": 255, "shared": 8192, "warps": 4,
+                                                                       "spills": 40}
+    got = launch.choose_launch(launch.DeviceView("sm_89", 128), 64, "fp16", "int4-g32", lambda bn: 64, 8)
+    assert (got.block_n, got.warps, got.mass_warps) == (64, 4, 8)
+    assert launch.table_warps("sm_89", launch.table_key(256, "fp16", "int4-g32", 32), 4) == 8  # the row's
+    assert launch.table_warps("sm_89", "d128/fp16/int4-g64/bn32", launch.num_warps(128, 64)) == 8  # default
+    assert launch.num_warps(128, 32) == 4 and launch.num_warps(64, 64) == 4 and launch.num_warps(256, 32) == 8
+
+
+def test_table_merge_keeps_the_fewest_spill_free_warps():
+    row = lambda regs, warps, spills: {"registers": regs, "shared": 1024, "warps": warps, "spills": spills}
+    old = {"sm_89": {"k": row(168, 4, 76), "j": row(100, 4, 0)}}
+    new = {"sm_89": {"k": [row(150, 8, 0), row(160, 8, 0)], "j": [row(90, 8, 0)], "m": [row(255, 4, 8), row(255, 8, 4)]}}
+    merged = compile_script.merge_table(old, new)["sm_89"]
+    assert merged["k"] == row(160, 8, 0)  # the retry's spill-free rows replace the spilling one (max of the two)
+    assert merged["j"] == row(100, 4, 0)  # four warps stay where they did not spill
+    assert merged["m"] == row(255, 8, 4)  # all spill: the most warps, still marked as spilling
 
 
 def test_committed_table_covers_every_choice_without_spills():
