@@ -39,13 +39,13 @@ from localctx.kernels_cuda import occupancy
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query rows per program (tl.dot needs at least 16)
 BLOCK_N_CHOICES = (32, 64)  # key tiles the launcher may pick (each <= the rope table's 64 rows) ...
-# ... at head dim 64 only (compiled with four warps, sm_89): at 128 the 64-key tile spills, and its 54 KiB of
-# shared memory would leave one program per SM on the 4090; at 256 it needs 106 KiB, over the 99 KiB a
-# block may use there (docs/results/cuda/compile-rejected.json)
+# ... at head dim 64 only: a tile is worth compiling where it can keep MIN_RESIDENT programs per SM, and
+# at head dims 128 and 256 a 64-key tile takes about 54 and 106 KiB of shared memory (trial compiles for
+# sm_89 while writing this; not in the committed results), one program per SM at most on the 4090
 LARGE_TILE_HEAD_DIMS = (64,)
 MIN_RESIDENT = 2  # programs per SM a larger tile must keep
-# warps per attention program: eight once a key tile holds 8,192 elements (tile keys × head dim),
-# where four warps spill (compile.json: head dim 128 with quantized groups of 64, head dim 256)
+# warps of a specialization the table has no row for (compile.py's first pass): eight once a key tile
+# holds WIDE_TILE elements (tile keys × head dim), else four; the table then says where four spilled
 WIDE_TILE = 8192
 MAX_SPLITS = 64
 DESIGN_ARCH = "sm_89"

@@ -157,11 +157,18 @@ def write_table(path: Path, new_rows: dict, sources: list[str], triton_version: 
     path.write_text(json.dumps(table, indent=1) + "\n")
 
 
-def failed_labels(path: Path) -> set[str]:
-    """The case labels of every specialization that failed in a compile.py JSON."""
+def failed(path: Path) -> tuple[set[str], set[tuple]]:
+    """The case labels and the (kernel, dtype, constexprs) of every specialization that failed in a
+    compile.py JSON (a retry compiles those kernels only, not the merge their cases also launch)."""
     data = json.loads(path.read_text())
-    return {label for s in data["specializations"] for r in s["results"].values() if not r["ok"]
-            for label in s["cases"]}
+    bad = [s for s in data["specializations"] if not all(r["ok"] for r in s["results"].values())]
+    return ({label for s in bad for label in s["cases"]},
+            {(s["kernel"], s["dtype"], json.dumps(s["constexprs"], sort_keys=True)) for s in bad})
+
+
+def _identity(spec) -> tuple:
+    dtype = next(spec.signature[p] for p in ("q_ptr", "x_ptr", "out_ptr") if p in spec.signature).lstrip("*")
+    return spec.name, dtype, json.dumps(spec.constexpr_values(), sort_keys=True)
 
 
 def main(argv=None) -> int:
@@ -209,11 +216,13 @@ def main(argv=None) -> int:
     if args.only:
         cases = [c for c in cases if re.search(args.only, c.label)]
     if args.only_failed:
-        wanted = failed_labels(args.only_failed)
-        cases = [c for c in cases if c.label in wanted]
+        labels, wanted = failed(args.only_failed)
+        cases = [c for c in cases if c.label in labels]
     # the launcher's table first (partial_kernel), the heavy-hitter mass kernel last
     order = ("partial_kernel", "merge_kernel", "quant_keys_kernel", "quant_values_kernel", "mass_kernel")
     specs = sorted(S.specializations(cases, backend), key=lambda s: order.index(s.name))
+    if args.only_failed:
+        specs = [s for s in specs if _identity(s) in wanted]
     if args.num_warps:
         for s in specs:
             s.options["num_warps"] = args.num_warps

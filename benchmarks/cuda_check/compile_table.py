@@ -1,9 +1,14 @@
-"""The tables of docs/benchmarks-cuda.md from compile.py's JSON files (one per architecture):
+"""The tables of docs/benchmarks-cuda.md from compile.py's JSON files (the first pass and the
+eight-warp retry, per architecture) and the launcher's table:
 
-    python benchmarks/cuda_check/compile_table.py docs/results/cuda/compile-sm89.json docs/results/cuda/compile-sm90.json
+    python benchmarks/cuda_check/compile_table.py docs/results/cuda/compile-sm89.json docs/results/cuda/compile-sm90.json docs/results/cuda/compile-sm89-retry.json docs/results/cuda/compile-sm90-retry.json
 
-1. per kernel and head dim, over every dtype, key segment and tile: specializations compiled,
-   registers (min–max), shared memory (max), resident programs per SM (min) and spills, per arch;
+Only what the launcher launches counts: a partial/mass specialization whose warps are not its
+table row's (it spilled, and the retry's eight-warp one replaced it) is counted as rejected.
+
+1. per kernel and head dim, over every dtype, key segment and tile: specializations launched,
+   registers (min–max), shared memory (max), resident programs per SM (min), spills, and how many
+   were rejected, per arch;
 2. the launcher's kernel (partial_kernel) per head dim, key segment and key tile, fp16 and bf16
    together (the larger of the two), with what the launcher picks on the RTX 4090."""
 from __future__ import annotations
@@ -22,14 +27,29 @@ def segment(c: dict) -> str:
     return launch.segment_name(c["BITS"] if c["HAS_QUANT"] else None, c["GROUP"], c["ROPE"])
 
 
+def launched(spec: dict, arch: str) -> bool:
+    """Whether the launcher launches this specialization on ``arch`` (see the module docstring)."""
+    if spec["kernel"] not in ("partial_kernel", "mass_kernel"):
+        return True
+    c = spec["constexprs"]
+    key = launch.table_key(c["HEAD_DIM"], spec["dtype"], segment(c), c["BLOCK_N"])
+    row = launch.resource_table()[arch].get(key if spec["kernel"] == "partial_kernel" else launch.MASS + key)
+    return row is not None and not row["spills"] and row["warps"] == spec["results"][arch]["warps"]
+
+
 def kernel_table(runs: dict) -> list[str]:
     groups = defaultdict(lambda: defaultdict(list))
-    for arch, data in runs.items():
-        for s in data["specializations"]:
-            groups[(s["kernel"], s["constexprs"]["HEAD_DIM"])][arch].append(s["results"][arch])
+    rejected = defaultdict(int)
+    for arch, datas in runs.items():
+        for data in datas:
+            for s in data["specializations"]:
+                if launched(s, arch):
+                    groups[(s["kernel"], s["constexprs"]["HEAD_DIM"])][arch].append(s["results"][arch])
+                else:
+                    rejected[(s["kernel"], s["constexprs"]["HEAD_DIM"], arch)] += 1
     archs = list(runs)
-    head = "| kernel | head dim | " + " | ".join(f"{a}: compiled · registers · shared (max) · programs/SM (min) · spills"
-                                                for a in archs) + " |"
+    head = "| kernel | head dim | " + " | ".join(f"{a}: launched · registers · shared (max) · programs/SM (min) · "
+                                                f"spills · rejected" for a in archs) + " |"
     out = [head, "|---|---|" + "---|" * len(archs)]
     for (kernel, D), by_arch in sorted(groups.items()):
         cells = []
@@ -41,16 +61,16 @@ def kernel_table(runs: dict) -> list[str]:
             regs = sorted(r["registers"] for r in rs)
             spills = sum(r["spill_stores"] + r["spill_loads"] for r in rs)
             cells.append(f"{len(rs)} · {regs[0]}–{regs[-1]} · {max(r['shared'] for r in rs) / 1024:.1f} KiB · "
-                         f"{min(r['blocks_per_sm'] for r in rs)} · {spills} B")
+                         f"{min(r['blocks_per_sm'] for r in rs)} · {spills} B · {rejected[(kernel, D, a)]}")
         out.append(f"| `{kernel}` | {D} | " + " | ".join(cells) + " |")
     return out
 
 
 def partial_table(runs: dict) -> list[str]:
-    rows = defaultdict(lambda: defaultdict(list))
-    for arch, data in runs.items():
-        for s in data["specializations"]:
-            if s["kernel"] != "partial_kernel":
+    rows = defaultdict(lambda: defaultdict(list))  # (D, segment, BLOCK_N, warps) → arch → results
+    for arch, datas in runs.items():
+        for s in (s for data in datas for s in data["specializations"]):
+            if s["kernel"] != "partial_kernel" or not launched(s, arch):
                 continue
             c = s["constexprs"]
             rows[(c["HEAD_DIM"], segment(c), c["BLOCK_N"], s["options"].get("num_warps", 4))][arch].append(
@@ -70,21 +90,18 @@ def partial_table(runs: dict) -> list[str]:
             r = max(rs, key=lambda r: (r["registers"], r["shared"]))
             cells.append(f"{r['registers']} · {r['shared'] / 1024:.1f} KiB · {r['blocks_per_sm']} · "
                          f"{r['occupancy']:.0%} · {r['limiter']}")
-        try:
-            picked = launch.choose_launch(view, D, "fp16", seg, lambda b: 1024, 8).block_n == bn
-        except KeyError:
-            picked = False
+        picked = launch.choose_launch(view, D, "fp16", seg, lambda b: 1024, 8).block_n == bn
         out.append(f"| {D} | {seg} | {bn} | {warps} | " + " | ".join(cells) + f" | {'yes' if picked else ''} |")
     return out
 
 
 def main(argv=None) -> int:
     paths = [Path(p) for p in (argv if argv is not None else sys.argv[1:])]
-    runs = {}
+    runs = defaultdict(list)
     for p in paths:
         data = json.loads(p.read_text())
         for arch in data["archs"]:
-            runs[arch] = data
+            runs[arch].append(data)
     print("\n".join(kernel_table(runs)))
     print()
     print("\n".join(partial_table(runs)))

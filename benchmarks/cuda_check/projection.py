@@ -35,12 +35,13 @@ def partial_bytes(spec, policy: KVPolicy, n_tokens: int) -> tuple[int, int, int]
     rep = spec.n_heads // spec.n_kv_heads
     rows = rep  # one new token
     g = policy.group_size if policy.quantized else None
-    segment = launch.segment_name(policy.k_bits if policy.quantized else None, g, True)
+    # the policy cache's kernel rotates keys in registers; the paged cache (fp16) stores them rotated
+    segment = launch.segment_name(policy.k_bits if policy.quantized else None, g, policy.quantized)
     held = decode_traffic.cost.split_tokens(policy, n_tokens)
     groups = held[0] // policy.group_size if policy.quantized else 0
     programs = spec.n_kv_heads * math.ceil(rows / launch.BLOCK_M)
     chosen = launch.choose_launch(view, spec.head_dim, DTYPE, segment, lambda bn: groups + math.ceil(held[1] / bn),
-                                  programs)
+                                  programs, group=g or 0)
     per_layer = 2 * spec.n_kv_heads * chosen.splits * rows * (spec.head_dim + 2) * 4
     return spec.n_layers * per_layer, chosen.splits, chosen.block_n
 
@@ -67,9 +68,23 @@ def rows() -> list[dict]:
     return out
 
 
+def markdown(rows: list[dict]) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    out = ["| model | context | KV policy | codes MiB | scales MiB | fp tokens MiB | q + out MiB | partials MiB "
+           "(splits) | kernel MiB | kernel ms at peak | fp16 SDPA MiB | SDPA ms at peak | kernel ÷ SDPA |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['context'] // 1024}K | `{r['policy']}` | {mib(r['codes'])} | {mib(r['scales'])} | "
+                   f"{mib(r['full_tokens'])} | {mib(r['queries'] + r['outputs'])} | {mib(r['split_partials'])} "
+                   f"({r['splits']}) | {mib(r['kernel_bytes'])} | {r['kernel_ms_at_peak']:.3f} | {mib(r['sdpa_bytes'])} | "
+                   f"{r['sdpa_ms_at_peak']:.3f} | {r['kernel_over_sdpa']:.3f} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--markdown", action="store_true", help="print the docs table instead of the plain listing")
     args = p.parse_args(argv)
     data = {"command": "python benchmarks/cuda_check/projection.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "note": "compiled, not run: bytes divided by the RTX 4090's peak bandwidth; no GPU timed anything",
@@ -78,6 +93,9 @@ def main(argv=None) -> int:
             "rows": rows()}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
+    if args.markdown:
+        print(markdown(data["rows"]))
+        return 0
     for r in data["rows"]:
         print(f"{r['model']:11} {r['context']:>7} {r['policy']:12} kernel {r['kernel_bytes'] / 2**20:9.1f} MiB "
               f"{r['kernel_ms_at_peak']:7.3f} ms  sdpa {r['sdpa_bytes'] / 2**20:9.1f} MiB {r['sdpa_ms_at_peak']:7.3f} ms"
