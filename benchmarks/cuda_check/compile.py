@@ -13,11 +13,13 @@ block; 2 for bad arguments. (A 32-byte stack frame without spills is the range r
 ``tl.cos``/``tl.sin`` for large angles, which keeps a small array on the stack: reported, not failed.)
 ``--table`` merges the compiled rows into the launcher's table (``merge_table``: per key, the fewest
 warps that compiled without a spill), so the architectures may be compiled by separate commands,
-and ``--num-warps 8 --only-failed JSON`` recompiles what spilled with eight warps; ``--from-json``
+and ``--only-failed JSON`` recompiles what spilled with twice the warps; ``--from-json``
 rebuilds the table from JSON files without compiling. ``--subset ci`` compiles the few of ``specializations.subset_ci``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import re
 import os
@@ -46,11 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compile every specialization with this many warps instead of the launcher's (to see why "
                         "it does not use them)")
     p.add_argument("--only-failed", type=Path, default=None,
-                   help="a compile.py JSON: compile only the cases of its failed specializations (with --num-warps 8, "
-                        "the retry whose spill-free rows replace the spilling ones in --table)")
+                   help="a compile.py JSON: recompile its failed specializations with twice their warps (the retry "
+                        "whose spill-free rows replace the spilling ones in the table)")
     p.add_argument("--from-json", type=Path, nargs="+", default=None,
                    help="compile nothing: rebuild --table from these compile.py JSON files")
     p.add_argument("--only", default=None, help="a regular expression: compile only the cases whose label matches")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the results an unfinished --json already holds and compile only the rest")
     p.add_argument("--jobs", type=int, default=1, help="compile processes (each compile is single-threaded)")
     return p.parse_args(argv)
 
@@ -70,16 +74,21 @@ def _compile_one(job: tuple) -> dict:
     limits = occupancy.arch(arch_name)
     kernel = getattr(importlib.import_module(module_name), kernel_name)
     t0 = time.perf_counter()
+    log = io.StringIO()
     try:
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                                  target=GPUTarget("cuda", limits.capability, 32), options=dict(options))
+        with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG: Triton prints its own ptxas -v log
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                      target=GPUTarget("cuda", limits.capability, 32), options=dict(options))
     except Exception as exc:  # a compile error is a result, reported and failed on
         return {"ok": False, "problems": [f"compile error: {type(exc).__name__}: {str(exc)[-1500:]}"],
                 "compile_s": round(time.perf_counter() - t0, 2)}
     compile_s = time.perf_counter() - t0
     tools = resources.Tools.from_triton()
     md = compiled.metadata
-    ptx = resources.ptxas_info(tools, compiled.asm["ptx"], limits.name, md.name, md.enable_fp_fusion)
+    try:  # the log of the ptxas run that made this cubin; else run ptxas -v again with Triton's flags
+        ptx = resources.parse_ptxas(log.getvalue(), md.name)
+    except ValueError:
+        ptx = resources.ptxas_info(tools, compiled.asm["ptx"], limits.name, md.name, md.enable_fp_fusion)
     cubin = resources.cubin_info(tools, compiled.asm["cubin"], md.name)
     shared = md.shared + cubin.shared
     occ = occupancy.occupancy(limits, cubin.registers, shared, md.num_warps)
@@ -157,13 +166,15 @@ def write_table(path: Path, new_rows: dict, sources: list[str], triton_version: 
     path.write_text(json.dumps(table, indent=1) + "\n")
 
 
-def failed(path: Path) -> tuple[set[str], set[tuple]]:
-    """The case labels and the (kernel, dtype, constexprs) of every specialization that failed in a
-    compile.py JSON (a retry compiles those kernels only, not the merge their cases also launch)."""
+def failed_in(path: Path) -> tuple[set[str], dict[tuple, int]]:
+    """The case labels of every specialization that failed in a compile.py JSON, and per failed
+    (kernel, dtype, constexprs) the warps it had (a retry compiles those kernels only, not the merge
+    their cases also launch, with twice the warps)."""
     data = json.loads(path.read_text())
     bad = [s for s in data["specializations"] if not all(r["ok"] for r in s["results"].values())]
     return ({label for s in bad for label in s["cases"]},
-            {(s["kernel"], s["dtype"], json.dumps(s["constexprs"], sort_keys=True)) for s in bad})
+            {(s["kernel"], s["dtype"], json.dumps(s["constexprs"], sort_keys=True)):
+             max(r.get("warps", s["options"].get("num_warps", 4)) for r in s["results"].values()) for s in bad})
 
 
 def _identity(spec) -> tuple:
@@ -196,6 +207,7 @@ def main(argv=None) -> int:
         return 2
     cache = tempfile.mkdtemp(prefix="cuda-compile-cache-")
     os.environ["TRITON_CACHE_DIR"] = cache  # every specialization really compiles, and nothing stale is read
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # spills from the ptxas run that made the cubin
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said out loud
     sys.path.insert(0, str(HERE))
     import triton
@@ -216,17 +228,27 @@ def main(argv=None) -> int:
     if args.only:
         cases = [c for c in cases if re.search(args.only, c.label)]
     if args.only_failed:
-        labels, wanted = failed(args.only_failed)
+        labels, wanted = failed_in(args.only_failed)
         cases = [c for c in cases if c.label in labels]
     # the launcher's table first (partial_kernel), the heavy-hitter mass kernel last
     order = ("partial_kernel", "merge_kernel", "quant_keys_kernel", "quant_values_kernel", "mass_kernel")
     specs = sorted(S.specializations(cases, backend), key=lambda s: order.index(s.name))
     if args.only_failed:
         specs = [s for s in specs if _identity(s) in wanted]
+        for s in specs:
+            s.options["num_warps"] = 2 * wanted[_identity(s)]
     if args.num_warps:
         for s in specs:
             s.options["num_warps"] = args.num_warps
     jobs = [(s.kernel.fn.__module__, s.name, s.signature, s.constexprs, s.attrs, s.options, a) for s in specs for a in archs]
+    done = {}  # (identity, options, arch) → result kept from an unfinished run (--resume)
+    if args.resume and args.json.exists():
+        for row in json.loads(args.json.read_text())["specializations"]:
+            ident = (row["kernel"], row["dtype"], json.dumps(row["constexprs"], sort_keys=True),
+                     json.dumps(row["options"], sort_keys=True))
+            for a, r in row["results"].items():
+                done[ident + (a,)] = r
+    job_keys = [_identity(s) + (json.dumps(s.options, sort_keys=True), a) for s in specs for a in archs]
     t0 = time.perf_counter()
     base = {"command": command,
             "note": "compiled, not run: no GPU executed these kernels; occupancy is arithmetic from the limits below",
@@ -261,15 +283,20 @@ def main(argv=None) -> int:
         os.replace(tmp, args.json)
         return data
 
+    def run_one(i: int) -> dict:
+        return done[job_keys[i]] if job_keys[i] in done else _compile_one(jobs[i])
+
+    todo = [i for i in range(len(jobs)) if job_keys[i] not in done]
     try:
         if args.jobs > 1:
             with ProcessPoolExecutor(args.jobs) as pool:
-                for r in pool.map(_compile_one, jobs):
-                    results.append(r)
+                fresh = pool.map(_compile_one, [jobs[i] for i in todo])
+                for i in range(len(jobs)):
+                    results.append(done[job_keys[i]] if job_keys[i] in done else next(fresh))
                     write(False)
         else:
-            for j in jobs:
-                results.append(_compile_one(j))
+            for i in range(len(jobs)):
+                results.append(run_one(i))
                 write(False)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
