@@ -13,9 +13,9 @@ sm_89 and sm_90) and the occupancy arithmetic of ``occupancy.py``:
    spill and keeps at least ``MIN_RESIDENT`` programs per SM (one program's memory wait hides
    behind another's); else the smallest. Larger tiles mean fewer loop trips and wider loads. The
    choices themselves come from the compiled numbers: 64 keys only at head dim 64 (see below).
-2. Warps: the table row's (the fewest that compiled without a spill: ``compile.py`` compiles
-   each kernel with ``num_warps``'s default, four or eight by tile size, and again with twice the
-   warps where that spilled); ``num_warps`` where the table has no row.
+2. Warps: the table row's — the fewest that compiled without a spill (``compile.py`` compiles each
+   kernel with ``num_warps``'s default, four or eight by tile size, and again with twice the warps
+   where that spilled), else the variant that spilled least; ``num_warps`` where the table has no row.
 3. Splits: enough programs for one full wave, SMs × resident programs per SM, divided among the
    (sequence, KV head, row block) programs, capped by the key tiles and ``MAX_SPLITS``.
 
@@ -131,13 +131,10 @@ def num_warps(head_dim: int, tile_keys: int) -> int:
 
 
 def table_warps(arch: str, key: str, default: int) -> int:
-    """The warps a specialization launches with: its table row's when that row is spill-free; twice
-    those when the row spilled (``compile.py --only-failed`` compiles those, and its spill-free row
-    replaces the spilling one); ``default`` when the table lacks the key."""
+    """The warps a specialization launches with: its table row's (the fewest warps that compiled
+    without a spill, else the variant that spilled least); ``default`` when the table lacks the key."""
     row = resource_table().get(arch, {}).get(key)
-    if row is None:
-        return default
-    return 2 * row["warps"] if row["spills"] else row["warps"]
+    return default if row is None else row["warps"]
 
 
 def block_n_choices(head_dim: int) -> tuple[int, ...]:

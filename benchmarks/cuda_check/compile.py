@@ -141,9 +141,10 @@ def table_rows(specs: list[dict], archs: list[str]) -> dict:
 
 def merge_table(old: dict, new: dict) -> dict:
     """Per arch and key, the row the launcher uses: among the candidates (old rows and new), those
-    with the fewest warps that compiled without a spill (else those with the most warps), folded
-    into one row by the maximum of each figure (two specializations can share a key, e.g. the paged
-    and the policy full-precision kernels, which differ only in stride divisibility)."""
+    with the fewest warps that compiled without a spill (else those with the warps that spilled the
+    fewest bytes), folded into one row by the maximum of each figure (two specializations can share
+    a key, e.g. the paged and the policy full-precision kernels, which differ only in stride
+    divisibility)."""
     merged = {}
     for arch in sorted(set(old) | set(new)):
         keys = set(old.get(arch, {})) | set(new.get(arch, {}))
@@ -153,7 +154,8 @@ def merge_table(old: dict, new: dict) -> dict:
             rows += new.get(arch, {}).get(key, [])
             clean = [r for r in rows if not r["spills"]]
             pool = clean or rows
-            warps = min(r["warps"] for r in pool) if clean else max(r["warps"] for r in pool)
+            warps = (min(r["warps"] for r in pool) if clean
+                     else min(pool, key=lambda r: (r["spills"], r["warps"]))["warps"])
             same = [r for r in pool if r["warps"] == warps]
             merged[arch][key] = {k: max(r[k] for r in same) for k in ("registers", "shared", "warps", "spills")}
     return merged
