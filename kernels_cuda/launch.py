@@ -168,12 +168,17 @@ class DeviceView:
 
 
 def resident_programs(arch: str, key: str) -> int:
-    """Programs of one partial_kernel specialization that fit on an SM of ``arch`` (0: spills or
-    does not fit; a key the table lacks counts as not fitting)."""
+    """Programs of one partial_kernel specialization that fit on an SM of ``arch`` (0: does not fit,
+    or the table lacks the key)."""
     row = resource_table()[arch].get(key)
-    if row is None or row["spills"]:
+    if row is None:
         return 0
     return occupancy.occupancy(occupancy.ARCHS[arch], row["registers"], row["shared"], row["warps"]).blocks_per_sm
+
+
+def spills(arch: str, key: str) -> bool:
+    row = resource_table()[arch].get(key)
+    return row is None or bool(row["spills"])
 
 
 def choose_launch(view: DeviceView, head_dim: int, dtype: str, segment: str, n_tiles_of, programs: int,
@@ -186,7 +191,8 @@ def choose_launch(view: DeviceView, head_dim: int, dtype: str, segment: str, n_t
     if config.block_n is not None:
         block_n = config.block_n
     else:
-        fits = [bn for bn in choices if resident[bn] >= MIN_RESIDENT]
+        fits = [bn for bn in choices if resident[bn] >= MIN_RESIDENT
+                and not spills(view.arch, table_key(head_dim, dtype, segment, bn))]
         block_n = max(fits) if fits else min(choices)
     n_tiles = max(n_tiles_of(block_n), 1)
     per_sm = max(resident.get(block_n, 0), 1)

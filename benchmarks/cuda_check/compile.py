@@ -2,7 +2,7 @@
 and report each one's resource use: registers per thread, spill stores/loads, shared memory, local
 memory, warps, and the occupancy that follows on each architecture (docs/benchmarks-cuda.md).
 
-    python benchmarks/cuda_check/compile.py --arch sm_89,sm_90 --json docs/results/cuda/compile.json \\
+    python benchmarks/cuda_check/compile.py --arch sm_89 --json docs/results/cuda/compile-sm89.json \\
         --table kernels_cuda/resource_table.json
 
 Specializations come from ``specializations.py`` (the wrappers' own launches, recorded); each is
