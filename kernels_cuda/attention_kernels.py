@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_BIG = -1.0e30  # the running max starts finite, so fully masked tiles never make NaNs
+NEG_BIG = tl.constexpr(-1.0e30)  # the running max starts finite, so fully masked tiles never make NaNs
 
 
 ROPE_TILE = tl.constexpr(64)  # offsets covered by the rope table (>= every tile's token count)
@@ -179,15 +179,23 @@ def _load_rows(q_ptr, qpos_ptr, pid_bh, b, rows, n_rows, HEAD_DIM: tl.constexpr)
     return q1, q2, qpos, ok
 
 
-@triton.jit
+# Arguments that change along a stream (counts, the split count, mask bounds) are not specialized:
+# Triton would otherwise compile a new variant when one of them becomes 1 or a multiple of 16
+# mid-decode. Strides stay specialized (their divisibility lets loads vectorize; they are fixed by
+# the cache layout). benchmarks/cuda_check/compile.py compiles every variant the launcher uses.
+STREAM_ARGS = ("n_rows", "n_kv_heads", "max_groups", "block_size", "max_blocks", "s_fpos", "n_splits", "sinks",
+               "window", "n_keys_max")
+
+
+@triton.jit(do_not_specialize=[a for a in STREAM_ARGS if a != "n_keys_max"])
 def partial_kernel(q_ptr, qpos_ptr, rope_ptr,
                    kq_ptr, kqs_ptr, kqm_ptr, vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, gpos_ptr, ngroups_ptr,
                    kf_ptr, vf_ptr, btab_ptr, fpos_ptr, nfull_ptr,
                    o_ptr, m_ptr, l_ptr,
                    n_rows, n_kv_heads, max_groups, block_size, max_blocks, s_fpos,
                    sf_blk, sf_tok, sf_head, sv_blk, sv_tok, sv_head,
-                   qk_scale, sinks, window,
-                   N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   qk_scale, sinks, window, n_splits,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
                    HAS_QUANT: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
     pid_bh = tl.program_id(0)
@@ -202,7 +210,7 @@ def partial_kernel(q_ptr, qpos_ptr, rope_ptr,
         n_groups = tl.load(ngroups_ptr + b)
     n_full = tl.load(nfull_ptr + b)
     n_tiles = n_groups + tl.cdiv(n_full, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, N_SPLITS)
+    per_split = tl.cdiv(n_tiles, n_splits)
     t0 = split * per_split
     t1 = tl.minimum(t0 + per_split, n_tiles)
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -225,27 +233,27 @@ def partial_kernel(q_ptr, qpos_ptr, rope_ptr,
         v = _full_values(vf_ptr, btab_ptr, b, h, tf, n_full, block_size, max_blocks, sv_blk, sv_tok, sv_head,
                          HEAD_DIM, BLOCK_N)
         m_i, l_i, acc = _online(s, v.to(q1.dtype), m_i, l_i, acc, PRECISION)
-    part = (pid_bh.to(tl.int64) * N_SPLITS + split) * n_rows + rows
+    part = (pid_bh.to(tl.int64) * n_splits + split) * n_rows + rows
     dim = tl.arange(0, HEAD_DIM)
     tl.store(o_ptr + part[:, None] * HEAD_DIM + dim[None, :], acc, mask=row_ok[:, None])
     tl.store(m_ptr + part, m_i, mask=row_ok)
     tl.store(l_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
-def merge_kernel(o_part_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, n_rows,
-                 N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+@triton.jit(do_not_specialize=["n_rows", "n_splits"])
+def merge_kernel(o_part_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, n_rows, n_splits,
+                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     pid_bh = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = rows < n_rows
     dim = tl.arange(0, HEAD_DIM)
     m_max = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    for s in range(N_SPLITS):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + (pid_bh * N_SPLITS + s) * n_rows + rows, mask=ok, other=NEG_BIG))
+    for s in range(n_splits):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + (pid_bh * n_splits + s) * n_rows + rows, mask=ok, other=NEG_BIG))
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for s in range(N_SPLITS):
-        part = (pid_bh * N_SPLITS + s) * n_rows + rows
+    for s in range(n_splits):
+        part = (pid_bh * n_splits + s) * n_rows + rows
         w = tl.exp2(tl.load(m_ptr + part, mask=ok, other=NEG_BIG) - m_max)
         total += w * tl.load(l_ptr + part, mask=ok, other=0.0)
         acc += w[:, None] * tl.load(o_part_ptr + part[:, None] * HEAD_DIM + dim[None, :], mask=ok[:, None], other=0.0)
@@ -256,7 +264,7 @@ def merge_kernel(o_part_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, n_rows,
     tl.store(lse_ptr + out, m_max + tl.log2(safe), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[a for a in STREAM_ARGS if a != "n_splits"])
 def mass_kernel(q_ptr, qpos_ptr, lse_ptr, rope_ptr,
                 kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, ngroups_ptr,
                 kf_ptr, btab_ptr, fpos_ptr, nfull_ptr, mass_ptr,

@@ -7,8 +7,10 @@ reference elsewhere.
   ``TRITON_INTERPRET=1`` before the kernels are first imported; slow, for tests);
 - ``off``: always the references, even on CUDA.
 
-The kernels need a power-of-two head dim from 32 to 256; other shapes take the reference.
-The functions returned have exactly the reference's signature."""
+The kernels run for head dims 64, 128 and 256 only (``KERNEL_HEAD_DIMS``: the ones
+``benchmarks/cuda_check/compile.py`` compiles for sm_89 and sm_90 and checks for spills and shared
+memory); any other head dim takes the reference, and ``kernel_refusal`` says why. The functions
+returned have exactly the reference's signature."""
 from __future__ import annotations
 
 import importlib
@@ -45,8 +47,19 @@ def uses_kernels(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or chosen == "interpret"
 
 
+KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
+def kernel_refusal(head_dim: int) -> str | None:
+    """Why the kernels do not take ``head_dim`` (None: they do)."""
+    if head_dim in KERNEL_HEAD_DIMS:
+        return None
+    return (f"head dim {head_dim}: the CUDA kernels are compiled and checked for head dims "
+            f"{', '.join(map(str, KERNEL_HEAD_DIMS))} only (docs/benchmarks-cuda.md); the pure-torch reference runs")
+
+
 def kernel_supports(head_dim: int) -> bool:
-    return 32 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    return kernel_refusal(head_dim) is None
 
 
 def _kernels(name: str):

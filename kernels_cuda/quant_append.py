@@ -139,6 +139,12 @@ def quant_values_kernel(x_ptr, slot_ptr, codes_ptr, scale_ptr, min_ptr, n_heads,
     _store_codes(codes_ptr, (dh * GROUP + tok) * PACKED, grp * (GROUP // 2) + k, ce, co, BITS)
 
 
+def num_warps(head_dim: int, group_size: int) -> int:
+    """Eight warps once a group holds 8,192 elements (head dim 256 × 32 tokens, 128 × 64): with four,
+    the keys kernel at head dim 256, groups of 64, spills (benchmarks/cuda_check/compile.py)."""
+    return 8 if head_dim * group_size >= 8192 else 4
+
+
 def quantize_append(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int,
                     pool: QuantPool, slots: torch.Tensor) -> None:
     """Same contract as ``quantize_append_reference`` (the pool tensors must be contiguous)."""
@@ -154,7 +160,7 @@ def quantize_append(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int
                            (v, quant_values_kernel, (pool.v_codes, pool.v_scale, pool.v_min))):
         x = x if x.stride(-1) == 1 else x.contiguous()
         kernel[(G * H,)](x, slots32, *dst, H, x.stride(0), x.stride(1), x.stride(2),
-                         GROUP=g, HEAD_DIM=D, BITS=bits)
+                         GROUP=g, HEAD_DIM=D, BITS=bits, num_warps=num_warps(D, g))
 
 
 def quantize_groups(k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int

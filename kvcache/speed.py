@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localctx.kvcache import cost
+from localctx.kvcache import cost, decode_traffic
 from localctx.kvcache.calibration import Calibration, FormatCost
 from localctx.kvcache.hardware_profile import HardwareProfile
 from localctx.kvcache.policy import KVPolicy
@@ -36,7 +36,8 @@ class SpeedModel:
     def step_seconds(self, spec: ModelSpec, policy: KVPolicy, kv_tokens: int) -> float:
         """Seconds per decode step with ``kv_tokens`` tokens having streamed through the cache."""
         bw = self.hardware.bandwidth_bytes_s
-        kv = cost.kv_bytes(spec, policy, kv_tokens)
+        traffic = decode_traffic.step_traffic(spec, policy, kv_tokens)  # the CUDA projection's byte counts too
+        kv = traffic.kv
         fc = self._cost(policy)
         if fc is not None:
             cal = self.calibration
@@ -46,8 +47,7 @@ class SpeedModel:
                 fixed = max(fc.base_s + (read - cal.weight_bytes) / bw, read / bw / 4)
                 step += fixed - fc.base_s
             return step
-        fp16_equivalent = cost.full_precision_equivalent(spec, policy, kv_tokens)
-        return (spec.decode_weight_bytes + max(kv, fp16_equivalent)) / bw
+        return (spec.decode_weight_bytes + max(kv, traffic.sdpa_kv)) / bw
 
     def decode_tok_s(self, spec: ModelSpec, policy: KVPolicy, kv_tokens: int) -> float:
         return 1.0 / self.step_seconds(spec, policy, kv_tokens)
