@@ -16,8 +16,9 @@ import numpy as np
 from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, OutputConstraint,
                                     Prompt, Session, StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.mlx import prompt_cache as mlx_prompt_cache
-from localctx.backends.mlx.policy_cache import CacheShape, ModelCache
-from localctx.backends.mlx.loading import LoadedModel, LoadOptions, load_folder, load_gguf
+from localctx.backends.mlx.loading import LoadedModel, LoadOptions
+from localctx.backends.mlx.lm_cache import NativeCache
+from localctx.backends.mlx.zoo import LMModel
 from localctx.backends.mlx.sampling import Sampler
 from localctx.backends.mlx.tokenizer import Tokenizer, folder_tokenizer, gguf_tokenizer
 from localctx.backends.models.spec_reader import read_spec
@@ -38,17 +39,17 @@ class SessionOptions:
     policy exactly as decoding does (what quality evaluation wants)."""
     prefill_chunk: int = 256
     load: LoadOptions = LoadOptions()
+    graph: str = "auto"  # "page" (llama.py / gemma3.py), "mlx-lm" (zoo.py) or "auto" (zoo.graph_for)
 
 
 class MLXSession(Session):
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, spec: ModelSpec, plan: Plan,
+    def __init__(self, loaded: LoadedModel | LMModel, tokenizer: Tokenizer, spec: ModelSpec, plan: Plan,
                  options: SessionOptions = SessionOptions()):
+        """``loaded``: a page's model (loading.py) or an mlx-lm model (zoo.py); either is called as
+        ``loaded(tokens, cache, last_only)`` and makes its own cache for the plan's policy."""
         self.spec, self.plan, self.backend_name = spec, plan, "mlx"
-        self.model, self.tokenizer, self.options = loaded.model, tokenizer, options
-        a = loaded.model.args
-        shape = CacheShape(a.n_kv_heads, a.head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32,
-                           a.traditional_rope)
-        self.cache = ModelCache(plan.policy, a.n_layers, shape, loaded.inv_freq, loaded.layer_windows)
+        self.model, self.tokenizer, self.options = loaded, tokenizer, options
+        self.cache = loaded.make_cache(plan.policy, spec)
         self.fed: list[int] = []
         self.last_logits: np.ndarray | None = None
 
@@ -72,9 +73,10 @@ class MLXSession(Session):
         if self.model is None:
             raise UserError("this MLX session is closed; load the model again")
         chunk = max(1, self.options.prefill_chunk)
-        outs = []
-        for start in range(0, len(tokens), chunk):
-            part = tokens[start:start + chunk]
+        outs, start = [], 0
+        while start < len(tokens):
+            part = tokens[start:start + self.cache.chunk_length(min(chunk, len(tokens) - start))]
+            start += len(part)
             before = self.cache.snapshot()
             try:
                 logits = self.model(mx.array(part, dtype=mx.int32), self.cache, last_only=not all_logits)
@@ -110,6 +112,8 @@ class MLXSession(Session):
     def enable_prompt_cache(self, model_path: Path) -> str | None:
         if not Path(model_path).is_file():
             return "the prompt cache keys on a single model file; this model is a folder"
+        if self.cache.kind == NativeCache.kind:
+            return f"mlx-lm's own caches for {self.spec.architecture} (sliding or recurrent layers) are not saved to disk"
         policy, cache = str(self.plan.policy), self.cache
         self.prompt_cache = PromptCache(lambda: mlx_prompt_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
         return None

@@ -1,0 +1,126 @@
+"""mlx-lm as the MLX backend's model zoo: every architecture mlx-lm implements, from an mlx-community
+folder (already-quantized safetensors), a Hugging Face safetensors folder (both through
+``mlx_lm.utils.load_model``) or a GGUF (gguf_convert.py makes the folder once). ``supports`` and
+``refusals`` read no weights and import no mlx, so the planner asks them on any machine.
+
+Where localctx's own pages (llama.py, gemma3.py) run a model instead: ``graph_for``."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from localctx.kvcache.model_spec import SLIDING, ModelSpec
+from localctx.kvcache.policy import KVPolicy
+
+# localctx's architecture names (backends/models/spec_reader.py) → mlx-lm's model files
+_MODULE = {"mistral": "llama", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+           "gpt-oss": "gpt_oss", "command-r": "cohere", "phi2": "phi"}
+# architectures mlx-lm runs on caches of its own (model.make_cache: sliding or recurrent layers)
+_OWN_CACHES = {"gemma2", "gemma3", "gemma3n", "cohere2", "gpt-oss", "mistral3", "smollm3"}
+
+
+def module_name(architecture: str) -> str:
+    return _MODULE.get(architecture, architecture.replace("-", "_"))
+
+
+def supports(architecture: str) -> bool:
+    """Whether the installed mlx-lm has a model file for ``architecture`` (without importing it)."""
+    found = importlib.util.find_spec("mlx_lm")
+    if found is None or not found.submodule_search_locations:
+        return False
+    return any((Path(loc) / "models" / f"{module_name(architecture)}.py").is_file()
+               for loc in found.submodule_search_locations)
+
+
+def own_caches(spec: ModelSpec) -> bool:
+    return spec.architecture in _OWN_CACHES or any(layer.kind == SLIDING for layer in spec.attention())
+
+
+def refusals(policy: KVPolicy, spec: ModelSpec) -> list[str]:
+    """Why an mlx-lm model of ``spec`` cannot run ``policy`` (lm_cache.py says how policies plug in)."""
+    arch = spec.architecture
+    if own_caches(spec) and (policy.quantized or policy.evicts):
+        return [f"mlx-lm's {arch} keeps caches of its own (sliding-window or recurrent layers), which take "
+                "full-precision KV only; use fp16"]
+    out = []
+    if policy.heavy:
+        out.append(f"heavy hitters need attention weights, which mlx-lm's {arch} attention does not return; "
+                   "use sinks + window without heavy hitters")
+    return out
+
+
+def graph_for(spec: ModelSpec, policy: KVPolicy, forced: str) -> str:
+    """"page" (localctx's own graph: keys cached before RoPE, re-indexed past a window; heavy hitters;
+    the Metal decode kernel) or "mlx-lm". ``forced``: "auto", "page" or "mlx-lm". Auto takes the page
+    where the architecture has one and the policy is one mlx-lm's models cannot take or the window
+    must stream past the trained context; mlx-lm everywhere else."""
+    from localctx.backends.mlx.loading import MODEL_PAGES
+
+    has_page = spec.architecture in MODEL_PAGES
+    if forced != "auto":
+        return forced
+    if has_page and (refusals(policy, spec) or policy.evicts):
+        return "page"
+    return "mlx-lm" if supports(spec.architecture) else "page"
+
+
+# -- loading (imports mlx) ------------------------------------------------------------------------
+@dataclass
+class LMModel:
+    """An mlx-lm model as the session calls a graph: ``model(tokens, cache, last_only)``."""
+    model: object  # mlx_lm.models.<type>.Model
+    config: dict
+
+    def __call__(self, tokens, cache, last_only: bool = True):
+        import mlx.core as mx
+
+        logits = self.model(tokens[None], cache=cache.layers)
+        cache.stepped(tokens.shape[0])
+        logits = logits[0, -1:] if last_only else logits[0]
+        return logits.astype(mx.float32)[0] if last_only else logits.astype(mx.float32)
+
+    def make_cache(self, policy: KVPolicy, spec: ModelSpec):
+        import mlx.core as mx
+
+        from localctx.backends.mlx.lm_cache import LMCache, NativeCache
+        from localctx.backends.mlx.policy_cache import CacheShape
+
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        from localctx.kvcache.errors import UserError
+
+        if not all(type(c) is KVCache for c in make_prompt_cache(self.model)):  # sliding or recurrent layers
+            if policy.quantized or policy.evicts:
+                raise UserError(f"mlx-lm's {spec.architecture} keeps caches of its own (sliding-window or "
+                                "recurrent layers), which take full-precision KV only; use --kv fp16")
+            return NativeCache(self.model)
+        n_kv = int(self.config.get("num_key_value_heads") or self.config["num_attention_heads"])
+        head_dim = int(self.config.get("head_dim") or self.config["hidden_size"] // self.config["num_attention_heads"])
+        shape = CacheShape(n_kv, head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32, False)
+        return LMCache(policy, len(self.model.layers), shape)
+
+
+def load_folder(folder: Path, architecture: str | None = None) -> LMModel:
+    """``architecture``: localctx's name for it, which names mlx-lm's model file where config.json
+    has no ``model_type``."""
+    import json
+
+    from mlx_lm.utils import load_model
+
+    from localctx.kvcache.errors import UserError
+
+    has_type = "model_type" in json.loads((Path(folder) / "config.json").read_text())
+    extra = None if has_type or architecture is None else {"model_type": module_name(architecture)}
+    try:
+        model, config = load_model(Path(folder), model_config=extra)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UserError(f"mlx-lm cannot load {folder.name} ({str(exc).splitlines()[0][:160]}); "
+                        "use --backend llamacpp with a GGUF of it") from None
+    return LMModel(model, config)
+
+
+def load_gguf(path: Path) -> LMModel:
+    from localctx.backends.mlx.gguf_convert import converted_folder
+
+    return load_folder(converted_folder(path))
