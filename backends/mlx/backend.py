@@ -31,7 +31,8 @@ class MLXBackend(Backend):
         kernels = ("Metal kernels (fused quantized decode attention, quantise-and-append) where Metal exists; "
                    "the pure-MLX reference kernels elsewhere")
         return Capabilities(kv_bits=frozenset({16, 8, 4}), group_sizes=frozenset({32, 64}), residual=True,
-                            sinks_window=True, heavy=True, batch=False, native_graphs=None,
+                            sinks_window=True, heavy=True, batch=False,
+                            native_graphs=NATIVE_GRAPH | zoo.architectures(),
                             notes=(kernels, "one sequence at a time: generate_batch runs prompts in turn",
                                    "every architecture mlx-lm implements, on mlx-lm's model with localctx's "
                                    "policy cache (keys rotated at stream positions; no heavy hitters)",
@@ -42,13 +43,6 @@ class MLXBackend(Backend):
         if spec.architecture not in NATIVE_GRAPH and not zoo.supports(spec.architecture):
             raise UserError(f"--backend mlx runs the architectures mlx-lm implements and {', '.join(sorted(NATIVE_GRAPH))}, "
                             f"not {spec.architecture!r}; run it with --backend llamacpp and a GGUF file")
-
-    def support(self, spec: ModelSpec) -> str:
-        """How --backend mlx runs ``spec``'s architecture, in a few words (``localctx models``/``plan``)."""
-        page, lm = spec.architecture in NATIVE_GRAPH, zoo.supports(spec.architecture)
-        if page and lm:
-            return "mlx-lm + localctx page"
-        return "mlx-lm" if lm else "localctx page" if page else "no"
 
     def refusals(self, policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
         out = self.capabilities().refusals(policy)

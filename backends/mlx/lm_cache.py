@@ -64,8 +64,11 @@ class LMCache(ModelCache):
     """Every layer's PolicyKVCache; what the session and the UI read, as for the page caches."""
     kind = "mlx-lm"
 
-    def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape):
+    def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, position_limit: int):
+        """``position_limit``: the trained context; keys keep stream positions, so a window streams
+        only that far."""
         self.policy = policy
+        self.position_limit = position_limit
         self.layers = [PolicyKVCache(policy, shape) for _ in range(n_layers)]
 
     def chunk_length(self, n: int) -> int:
@@ -81,8 +84,9 @@ class NativeCache:
     mlx-lm's behaviour; no prompt cache on disk. A failed step restarts it."""
     kind = "mlx-lm native"
 
-    def __init__(self, model):
+    def __init__(self, model, position_limit: int):
         self.model = model
+        self.position_limit = position_limit
         self.reset()
 
     def reset(self) -> None:

@@ -292,6 +292,7 @@ def _heaviest(scores: np.ndarray, budget: int) -> np.ndarray:
 class ModelCache:
     """The caches of every layer, and what the UI reads: bytes, tokens held, tokens evicted."""
     kind = "page"  # keys before RoPE (backends/mlx/lm_cache.py holds them rotated)
+    position_limit = None  # keys are re-indexed at their in-cache positions: a window streams on
 
     def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array | list[mx.array],
                  layer_windows: tuple[int | None, ...] = ()):

@@ -163,6 +163,11 @@ class MLXSession(Session):
         tokens = self.tokenizer.encode(self.render(prompt))
         params = with_template_stops(prompt, params, self.tokenizer.template.stops)
         check_prompt_fits(len(tokens), self.plan, self.spec, params.max_tokens)
+        limit = self.cache.position_limit
+        if limit is not None and self.plan.policy.evicts and len(tokens) + params.max_tokens > limit:
+            raise UserError(f"mlx-lm's {self.spec.architecture} rotates keys at their stream positions, so "
+                            f"--kv {self.plan.policy} streams only to the trained context ({limit:,} tokens), "
+                            f"not {len(tokens):,} + {params.max_tokens:,}; lower --max-tokens or the prompt")
         if not self.plan.policy.evicts:
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.plan.context - len(tokens)))
         todo, cached = self._plan_feed(tokens)

@@ -6,7 +6,9 @@ folder (already-quantized safetensors), a Hugging Face safetensors folder (both 
 Where localctx's own pages (llama.py, gemma3.py) run a model instead: ``graph_for``."""
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +26,24 @@ def module_name(architecture: str) -> str:
     return _MODULE.get(architecture, architecture.replace("-", "_"))
 
 
-def supports(architecture: str) -> bool:
-    """Whether the installed mlx-lm has a model file for ``architecture`` (without importing it)."""
+_NOT_MODELS = {"__init__", "base", "cache", "rope_utils", "switch_layers", "activations", "gated_delta", "ssm",
+               "mla", "pipeline", "bitlinear_layers"}
+
+
+@functools.cache
+def architectures() -> frozenset[str]:
+    """localctx's names of the architectures the installed mlx-lm implements (read off its model
+    files, without importing mlx); empty without mlx-lm."""
     found = importlib.util.find_spec("mlx_lm")
     if found is None or not found.submodule_search_locations:
-        return False
-    return any((Path(loc) / "models" / f"{module_name(architecture)}.py").is_file()
-               for loc in found.submodule_search_locations)
+        return frozenset()
+    files = {p.stem for loc in found.submodule_search_locations for p in (Path(loc) / "models").glob("*.py")}
+    files -= _NOT_MODELS
+    return frozenset(files | {arch for arch, module in _MODULE.items() if module in files})
+
+
+def supports(architecture: str) -> bool:
+    return architecture in architectures()
 
 
 def own_caches(spec: ModelSpec) -> bool:
@@ -94,30 +107,39 @@ class LMModel:
             if policy.quantized or policy.evicts:
                 raise UserError(f"mlx-lm's {spec.architecture} keeps caches of its own (sliding-window or "
                                 "recurrent layers), which take full-precision KV only; use --kv fp16")
-            return NativeCache(self.model)
+            return NativeCache(self.model, spec.context_length)
         n_kv = int(self.config.get("num_key_value_heads") or self.config["num_attention_heads"])
         head_dim = int(self.config.get("head_dim") or self.config["hidden_size"] // self.config["num_attention_heads"])
         shape = CacheShape(n_kv, head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32, False)
-        return LMCache(policy, len(self.model.layers), shape)
+        return LMCache(policy, len(self.model.layers), shape, spec.context_length)
 
 
 def load_folder(folder: Path, architecture: str | None = None) -> LMModel:
     """``architecture``: localctx's name for it, which names mlx-lm's model file where config.json
     has no ``model_type``."""
-    import json
-
     from mlx_lm.utils import load_model
 
     from localctx.kvcache.errors import UserError
 
-    has_type = "model_type" in json.loads((Path(folder) / "config.json").read_text())
-    extra = None if has_type or architecture is None else {"model_type": module_name(architecture)}
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    extra = {}
+    if "model_type" not in cfg and architecture is not None:
+        extra["model_type"] = module_name(architecture)
+    if "tie_word_embeddings" not in cfg:  # Hugging Face's default is untied where an lm_head is stored
+        extra["tie_word_embeddings"] = not any("lm_head.weight" in _tensor_names(f) for f in Path(folder).glob("*.safetensors"))
     try:
-        model, config = load_model(Path(folder), model_config=extra)
+        model, config = load_model(Path(folder), model_config=extra or None)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(f"mlx-lm cannot load {folder.name} ({str(exc).splitlines()[0][:160]}); "
                         "use --backend llamacpp with a GGUF of it") from None
     return LMModel(model, config)
+
+
+def _tensor_names(file: Path) -> set[str]:
+    """The tensor names in a safetensors file's header (8-byte length, then JSON)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return set(json.loads(f.read(size))) - {"__metadata__"}
 
 
 def load_gguf(path: Path) -> LMModel:
