@@ -17,7 +17,9 @@ from localctx.backends.base import (Backend, Capabilities, GenerationEvent, Gene
                                     Prompt, Session, StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.mlx import prompt_cache as mlx_prompt_cache
 from localctx.backends.mlx.loading import LoadedModel, LoadOptions
+from localctx.backends.generation import speculation
 from localctx.backends.mlx.lm_cache import NativeCache
+from localctx.backends.mlx.speculate import MLXVerifier
 from localctx.backends.mlx.zoo import LMModel
 from localctx.backends.mlx.sampling import Sampler
 from localctx.backends.mlx.tokenizer import Tokenizer, folder_tokenizer, gguf_tokenizer
@@ -172,7 +174,8 @@ class MLXSession(Session):
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.plan.context - len(tokens)))
         todo, cached = self._plan_feed(tokens)
         clock = StatsClock(backend="mlx", policy=str(self.plan.policy), prompt_tokens=len(tokens),
-                           cached_tokens=cached)
+                           cached_tokens=cached, speculate=speculation.resolve(
+                               params.speculate, self.plan.policy, constrained=params.constraint is not None))
         sampler = Sampler(params, self.tokenizer.guides.guide(params.constraint) if params.constraint else None)
 
         def ids() -> Iterator[int]:
@@ -182,5 +185,11 @@ class MLXSession(Session):
                 yield tok
                 logits = self.feed([tok])
 
-        yield from stream(ids(), token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos, params=params,
+        def drafted_ids() -> Iterator[int]:
+            first = self._prefill(tokens, todo, clock)
+            verifier = MLXVerifier(self, None if self.plan.policy.evicts else self.plan.context)
+            yield from speculation.speculative_tokens(verifier, tokens, first, params, clock)
+
+        source = drafted_ids() if clock.speculate == "ngram" else ids()
+        yield from stream(source, token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos, params=params,
                           clock=clock, probe=KVProbe(self.cache.probe), cancel=cancel)

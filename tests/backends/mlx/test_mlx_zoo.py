@@ -200,3 +200,23 @@ def test_sliding_window_architectures_refuse_policies_with_the_reason(gemma3_pat
     assert zoo.refusals(KVPolicy.parse("int8"), spec) and "sliding" in zoo.refusals(KVPolicy.parse("int8"), spec)[0]
     assert zoo.graph_for(spec, KVPolicy.parse("int8"), "auto") == "page"
     assert zoo.graph_for(spec, KVPolicy.parse("fp16"), "auto") == "mlx-lm"
+
+
+@pytest.mark.parametrize("kv,graph", [("fp16", "mlx-lm"), ("int8+res16", "mlx-lm"), ("int4+g32+sink2+win40", "mlx-lm"),
+                                      ("fp16", "page"), ("int8+sink2+win24", "page")])
+def test_prompt_lookup_gives_plain_decodings_greedy_text(tiny_folder, tmp_path, kv, graph):  # noqa: F811
+    """The random phi3 repeats the prompt's phrases, so drafts are made and accepted; the random
+    llama (the page's model) does not, so there only the text is compared."""
+    folder = write_phi3(tmp_path / "phi3", tiny_folder) if graph == "mlx-lm" else tiny_folder
+    prompt = "the cache keeps sinks and a window of recent tokens; " * 4
+    texts, stats = {}, {}
+    for mode in ("off", "ngram"):
+        session, _ = folder_session(folder, kv, graph=graph)
+        events = list(session.generate(prompt, GenerationParams(max_tokens=24, speculate=mode)))
+        texts[mode] = [e.token for e in events if e.kind == "token"]
+        stats[mode] = events[-1].stats
+    assert texts["ngram"] == texts["off"]
+    assert stats["ngram"].speculate == "ngram"
+    if graph == "mlx-lm":
+        assert stats["ngram"].drafted_tokens > 0
+        assert stats["ngram"].decode_steps < stats["off"].generated_tokens  # drafts were accepted
