@@ -1,7 +1,8 @@
 """``--backend mlx``: Apple Silicon through MLX (Linux CPU runs it too, slowly, for tests).
 
-The model graph is localctx's own (llama.py, gemma3.py); the KV cache is localctx's (policy_cache.py), so every
-policy combination runs, including rotating + quantized, which mlx-lm refuses."""
+The model graph is mlx-lm's for its architecture (zoo.py, with localctx's policy cache through the cache
+object mlx-lm's models call: lm_cache.py) or localctx's own page (llama.py, gemma3.py, with policy_cache.py)
+where the policy needs it (``zoo.graph_for``). Either is called as ``model(tokens, cache, last_only)``."""
 from __future__ import annotations
 
 import dataclasses
