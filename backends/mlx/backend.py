@@ -76,9 +76,9 @@ class MLXBackend(Backend):
         if model.kind == "gguf":
             from localctx.backends.models.spec_reader import read_gguf
 
-            loaded = zoo.load_gguf(model.path) if graph == "mlx-lm" else load_gguf(model.path, options.load)[0]
+            loaded = zoo.load_gguf(model.path, spec.architecture, options.load) if graph == "mlx-lm" else load_gguf(model.path, options.load)[0]
             tokenizer = gguf_tokenizer(model.path, read_gguf(model.path))
         else:
-            loaded = zoo.load_folder(model.path, spec.architecture) if graph == "mlx-lm" else load_folder(model.path, options.load)[0]
+            loaded = zoo.load_folder(model.path, spec.architecture, options.load) if graph == "mlx-lm" else load_folder(model.path, options.load)[0]
             tokenizer = folder_tokenizer(model.path, json.loads((model.path / "config.json").read_text()))
         return MLXSession(loaded, tokenizer, spec, plan, options)

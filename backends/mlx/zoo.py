@@ -114,9 +114,11 @@ class LMModel:
         return LMCache(policy, len(self.model.layers), shape, spec.context_length)
 
 
-def load_folder(folder: Path, architecture: str | None = None) -> LMModel:
+def load_folder(folder: Path, architecture: str | None = None, options=None) -> LMModel:
     """``architecture``: localctx's name for it, which names mlx-lm's model file where config.json
-    has no ``model_type``."""
+    has no ``model_type``. ``options``: loading.LoadOptions; where it wants the weights expanded (by
+    default off Metal, where MLX's quantized matmul is a scalar loop) the quantized layers are
+    dequantized (the same values) and the model computes in loading.compute_dtype()."""
     from mlx_lm.utils import load_model
 
     from localctx.kvcache.errors import UserError
@@ -132,7 +134,21 @@ def load_folder(folder: Path, architecture: str | None = None) -> LMModel:
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(f"mlx-lm cannot load {folder.name} ({str(exc).splitlines()[0][:160]}); "
                         "use --backend llamacpp with a GGUF of it") from None
+    from localctx.backends.mlx.loading import LoadOptions, compute_dtype
+
+    if (options or LoadOptions()).wants_dequantize():
+        from mlx_lm.utils import dequantize_model
+
+        model = dequantize_model(model)
+        model.set_dtype(compute_dtype())
+        _evaluate(model)
     return LMModel(model, config)
+
+
+def _evaluate(model) -> None:
+    import mlx.core as mx
+
+    mx.eval(model.parameters())
 
 
 def _tensor_names(file: Path) -> set[str]:
@@ -142,7 +158,7 @@ def _tensor_names(file: Path) -> set[str]:
         return set(json.loads(f.read(size))) - {"__metadata__"}
 
 
-def load_gguf(path: Path) -> LMModel:
+def load_gguf(path: Path, architecture: str | None = None, options=None) -> LMModel:
     from localctx.backends.mlx.gguf_convert import converted_folder
 
-    return load_folder(converted_folder(path))
+    return load_folder(converted_folder(path), architecture, options)

@@ -6,7 +6,9 @@ and interleaved run by run (both see the same machine load):
 The model is the GGUF converted for mlx-lm (backends/mlx/gguf_convert.py; default: the bundled
 SmolLM2-135M re-quantized to Q4_K_M with llama.cpp's quantizer into a temporary folder). localctx's
 side is the session `localctx run` drives (graph mlx-lm, KV policies fp16 / int8 / int4, every answer
-max tokens long); its decode tok/s is the figure `run --json` reports. mlx-lm's side is
+max tokens long); its decode tok/s is the figure `run --json` reports. Both sides run the same model
+object's weights as the backend loads them (off Metal: quantized layers expanded to float32,
+``LoadOptions.dequantize``). mlx-lm's side is
 ``mlx_lm.generate.generate_step`` (the loop inside ``mlx_lm.generate``) with the same KV settings:
 its KVCache, or ``kv_bits`` 8/4 with group 64 from the first token. Prints one JSON object."""
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from localctx.backends.base import GenerationParams
+from localctx.backends.mlx import zoo
 from localctx.backends.mlx.backend import MLXBackend
 from localctx.backends.mlx.gguf_convert import converted_folder
 from localctx.backends.mlx.session import SessionOptions
@@ -77,14 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    from mlx_lm.utils import load_model
-
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or requantized_smollm2(Path(tmp))
         folder = converted_folder(path)
         ref = ModelRef("gguf", path, path.name, "file")
         spec = read_spec(ref)
-        anchor, _ = load_model(folder)
+        anchor = zoo.load_folder(folder, spec.architecture).model  # as the backend loads it (expanded off Metal)
         backend = MLXBackend(SessionOptions(graph="mlx-lm"))
         sessions = {kv: backend.load(ref, Plan.fixed("mlx", spec, KVPolicy.parse(kv), 4096)) for kv in SETTINGS}
         prompt = prompt_text(sessions["fp16"], args.prompt_tokens)

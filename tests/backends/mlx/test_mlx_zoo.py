@@ -19,6 +19,7 @@ from localctx.backends.mlx import zoo  # noqa: E402
 from localctx.backends.mlx.backend import MLXBackend  # noqa: E402
 from localctx.backends.mlx.gguf_convert import MANIFEST, converted_folder  # noqa: E402
 from localctx.backends.mlx.lm_cache import LMCache  # noqa: E402
+from localctx.backends.mlx.loading import LoadOptions  # noqa: E402
 from localctx.backends.mlx.session import SessionOptions  # noqa: E402
 from localctx.backends.models.ref import ModelRef  # noqa: E402
 from localctx.backends.models.spec_reader import hf_spec, read_spec  # noqa: E402
@@ -103,10 +104,10 @@ def mlx_lm_greedy(folder, ids, n):
     return out
 
 
-def folder_session(folder, kv="fp16", graph="mlx-lm"):
+def folder_session(folder, kv="fp16", graph="mlx-lm", load=LoadOptions()):
     spec = hf_spec(folder)
     plan = Plan.fixed("mlx", spec, KVPolicy.parse(kv), None)
-    return MLXBackend(SessionOptions(graph=graph)).load(ModelRef("hf", folder, folder.name, "folder"), plan), spec
+    return MLXBackend(SessionOptions(graph=graph, load=load)).load(ModelRef("hf", folder, folder.name, "folder"), plan), spec
 
 
 def test_a_folder_written_by_mlx_lm_convert_runs(tiny_folder, tmp_path):  # noqa: F811
@@ -121,9 +122,11 @@ def test_a_folder_written_by_mlx_lm_convert_runs(tiny_folder, tmp_path):  # noqa
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if not (out / name).exists():
             shutil.copy(tiny_folder / name, out / name)
-    session, _ = folder_session(out, graph="auto")
+    session, _ = folder_session(out, graph="auto", load=LoadOptions(dequantize=False))  # as mlx-lm runs it
     ids = session.tokenizer.encode("the cache keeps sinks")
     assert greedy(session, ids, 8) == mlx_lm_greedy(out, ids, 8)
+    expanded, _ = folder_session(out, graph="auto", load=LoadOptions(dequantize=True))  # the same values
+    np.testing.assert_allclose(expanded.feed(ids), session.reset() or session.feed(ids), atol=1e-3)
 
 
 def write_phi3(folder, tiny_folder):  # noqa: F811
