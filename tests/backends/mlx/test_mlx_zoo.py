@@ -156,7 +156,10 @@ def test_an_architecture_only_mlx_lm_implements_runs(tiny_folder, tmp_path):  # 
     ids = session.tokenizer.encode("the cache keeps sinks and a window")
     assert greedy(session, ids, 10) == mlx_lm_greedy(folder, ids, 10)
     # its refusals name the architecture and the reason, before any plan is made
-    reasons = MLXBackend().refusals(KVPolicy.parse("int8+sink4+win64+heavy8"), spec)
+    from localctx.backends.machine.planner_inputs import backend_view
+
+    view, _ = backend_view("mlx", spec)  # what the planner filters candidates with
+    reasons = view.refusals(KVPolicy.parse("int8+sink4+win64+heavy8"))
     assert any("phi3" in r and "attention weights" in r for r in reasons)
     assert not MLXBackend().refusals(KVPolicy.parse("int4+sink4+win64"), spec)
 
