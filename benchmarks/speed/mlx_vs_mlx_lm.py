@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("mlx_lm", lambda: mlx_lm_run(anchor, ids, args.decode, bits))]
                 for side, run in (pair if rep % 2 == 0 else pair[::-1]):
                     runs[kv][side].append(run())
+                    print(f"rep {rep} {kv} {side}: {runs[kv][side][-1]:.2f} decode tok/s", file=sys.stderr, flush=True)
         out = {"command": "python benchmarks/speed/mlx_vs_mlx_lm.py " + " ".join(argv or []),
                "model": path.name, "converted": str(folder.name), "prompt_tokens": len(ids), "decode_tokens": args.decode,
                "reps": args.reps, "host": platform.platform(), "cpu_count": os.cpu_count(),
