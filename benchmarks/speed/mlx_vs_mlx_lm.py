@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                 for side, run in (pair if rep % 2 == 0 else pair[::-1]):
                     runs[kv][side].append(run())
                     print(f"rep {rep} {kv} {side}: {runs[kv][side][-1]:.2f} decode tok/s", file=sys.stderr, flush=True)
-        out = {"command": "python benchmarks/speed/mlx_vs_mlx_lm.py " + " ".join(argv or []),
+        given = sys.argv[1:] if argv is None else argv
+        out = {"command": " ".join(["python benchmarks/speed/mlx_vs_mlx_lm.py", *given]),
                "model": path.name, "converted": str(folder.name), "prompt_tokens": len(ids), "decode_tokens": args.decode,
                "reps": args.reps, "host": platform.platform(), "cpu_count": os.cpu_count(),
                "metal": mx.metal.is_available(), "mlx": mx.__version__, "loadavg_before": load_before,
