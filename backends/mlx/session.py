@@ -14,23 +14,20 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 
-from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, OutputConstraint,
-                                    Prompt, Session, StatsClock, check_prompt_fits, with_template_stops)
+from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
+                                    StatsClock, check_prompt_fits, with_template_stops)
+from localctx.backends.generation import speculation
+from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.backends.mlx import prompt_cache as mlx_prompt_cache
 from localctx.backends.mlx.loading import LoadedModel, LoadOptions
-from localctx.backends.generation import speculation
 from localctx.backends.mlx.lm_cache import NativeCache
-from localctx.backends.mlx.speculate import MLXVerifier
-from localctx.backends.mlx.zoo import LMModel
 from localctx.backends.mlx.sampling import Sampler
-from localctx.backends.mlx.tokenizer import Tokenizer, folder_tokenizer, gguf_tokenizer
-from localctx.backends.models.spec_reader import read_spec
-from localctx.backends.generation.decode_loop import KVProbe, stream
-from localctx.kernels_metal.decode_attention import KERNEL_AVAILABLE as DECODE_KERNEL
+from localctx.backends.mlx.speculate import MLXVerifier
+from localctx.backends.mlx.tokenizer import Tokenizer
+from localctx.backends.mlx.zoo import LMModel
 from localctx.kvcache import prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.prompt_cache import PromptCache
 from localctx.kvcache.model_spec import ModelSpec
 

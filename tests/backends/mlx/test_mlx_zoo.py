@@ -28,7 +28,7 @@ from localctx.kvcache.errors import UserError  # noqa: E402
 from localctx.kvcache.plan import Plan  # noqa: E402
 from localctx.kvcache.policy import KVPolicy  # noqa: E402
 
-from test_mlx_backend import tiny_folder, tiny_session  # noqa: E402,F401  (tiny_folder is a fixture)
+from test_mlx_backend import tiny_folder, tiny_session  # noqa: E402,F401,F811  (tiny_folder is a fixture)
 
 
 def lm_logits(lm, ids):
