@@ -84,6 +84,8 @@ class MLXSession(Session):
             except BaseException:  # a layer raised, or the evaluation did: no layer keeps this chunk
                 self.cache.restore(before)
                 self.last_logits = None  # the cache now ends where ``fed`` does, with no logits for it
+                if self.cache.n_seen != len(self.fed):  # mlx-lm's own caches restart instead
+                    self.reset()
                 raise
             outs.append(np.array(logits))
             self.fed.extend(part)

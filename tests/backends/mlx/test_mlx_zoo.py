@@ -226,3 +226,22 @@ def test_prompt_lookup_gives_plain_decodings_greedy_text(tiny_folder, tmp_path, 
     if graph == "mlx-lm":
         assert stats["ngram"].drafted_tokens > 0
         assert stats["ngram"].decode_steps < stats["off"].generated_tokens  # drafts were accepted
+
+
+def test_a_failed_step_on_mlx_lms_own_caches_restarts_the_conversation(tiny_folder, tmp_path, monkeypatch):  # noqa: F811
+    from localctx.backends.mlx.lm_cache import NativeCache
+
+    folder = write_phi3(tmp_path / "phi3", tiny_folder)
+    session, _ = folder_session(folder)
+    session.cache = NativeCache(session.model.model, 512)  # as for a model with sliding layers
+    ids = session.tokenizer.encode("the cache keeps sinks")
+    want = greedy(session, ids, 3)
+    session.reset()
+    session.feed(ids)
+    with monkeypatch.context() as m:
+        m.setattr(session.model, "model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        with pytest.raises(RuntimeError):
+            session.feed([7])
+    assert session.fed == [] and session.cache.n_seen == 0
+    session.reset()
+    assert greedy(session, ids, 3) == want
