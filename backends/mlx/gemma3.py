@@ -6,7 +6,11 @@ sliding over their own window, rotated with base 10000, to one global layer with
 base (llama.cpp's pattern: layer i is global when (i + 1) % 6 == 0); RMSNorm on each head of q
 and k; queries scaled by query_pre_attn_scalar ** -0.5; embeddings scaled by sqrt(hidden); a
 GeGLU MLP (tanh GELU); norms before and after attention and the MLP; tied embeddings. Norm
-weights are used as (1 + weight): GGUFs store them so, the folder loader adds the 1."""
+weights are used as (1 + weight): GGUFs store them so, the folder loader adds the 1.
+
+mlx-lm's gemma3_text runs Gemma 3 at full precision on its own caches (zoo.py); this page is kept
+because those caches take no localctx policy: here the sliding layers run ``layer_policy`` and every
+8/4-bit, window and heavy-hitter policy runs (``zoo.graph_for`` picks the page for them)."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,5 @@
-"""The pieces the MLX model pages share (llama.py, gemma3.py): the attention projections and the
-gated MLP, under Hugging Face's module names (self_attn.q_proj, mlp.gate_proj, ...), which the
+"""The pieces the MLX model pages share (llama.py, gemma3.py; kept where they add what mlx-lm's
+models lack, as each page says): the attention projections and the gated MLP, under Hugging Face's module names (self_attn.q_proj, mlp.gate_proj, ...), which the
 weight loaders fill. Each page keeps its own block (where its norms and residuals go), body and
 head."""
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """A Llama-family model graph in MLX (Llama, Mistral, Qwen2 biases, Qwen3 q/k norms): pre-norm
 blocks of attention and a SwiGLU MLP (layers.py: attention touches the KV cache only through
-``LayerCache.attend``)."""
+``LayerCache.attend``).
+
+mlx-lm runs these families too (zoo.py, the default); this page is kept for what mlx-lm's models
+cannot take, and ``zoo.graph_for`` sends a model here for it: RoPE inside the cache (keys cached
+before RoPE and rotated at their in-cache positions, so a sinks + window policy streams past the
+trained context), heavy hitters (the attention mass its attention returns), the fused Metal decode
+kernel, and GGUF Q4_0/Q4_1/Q8_0 tensors read as they are stored."""
 from __future__ import annotations
 
 from dataclasses import dataclass

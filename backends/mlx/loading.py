@@ -18,11 +18,14 @@ from localctx.backends.mlx import gemma3
 from localctx.backends.mlx import llama
 from localctx.backends.mlx.layers import CausalLM
 from localctx.backends.mlx.llama import Model, ModelArgs
+from localctx.backends.mlx.policy_cache import CacheShape, ModelCache
 from localctx.backends.models.gguf_header import GGUFHeader
 from localctx.backends.models.gguf_meta import ModelMeta
 from localctx.backends.models.spec_reader import read_gguf
 from localctx.kernels_metal.rope import inv_frequencies
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.model_spec import ModelSpec
+from localctx.kvcache.policy import KVPolicy
 
 _GGUF_BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -42,9 +45,19 @@ MODEL_PAGES = {"llama": llama, "mistral": llama, "qwen2": llama, "qwen3": llama,
 
 @dataclass
 class LoadedModel:
+    """A page's model as the session calls a graph (zoo.LMModel is the other kind)."""
     model: CausalLM
     inv_freq: mx.array | list[mx.array]  # one table, or one per layer (layers with different bases)
     layer_windows: tuple[int | None, ...] = ()  # the model's own sliding window per layer; empty: none
+
+    def __call__(self, tokens: mx.array, cache: ModelCache, last_only: bool = True) -> mx.array:
+        return self.model(tokens, cache, last_only)
+
+    def make_cache(self, policy: KVPolicy, spec: ModelSpec) -> ModelCache:
+        a = self.model.args
+        shape = CacheShape(a.n_kv_heads, a.head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32,
+                           a.traditional_rope)
+        return ModelCache(policy, a.n_layers, shape, self.inv_freq, self.layer_windows)
 
 
 @dataclass(frozen=True)

@@ -291,6 +291,8 @@ def _heaviest(scores: np.ndarray, budget: int) -> np.ndarray:
 
 class ModelCache:
     """The caches of every layer, and what the UI reads: bytes, tokens held, tokens evicted."""
+    kind = "page"  # keys before RoPE (backends/mlx/lm_cache.py holds them rotated)
+    position_limit = None  # keys are re-indexed at their in-cache positions: a window streams on
 
     def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array | list[mx.array],
                  layer_windows: tuple[int | None, ...] = ()):
@@ -304,6 +306,13 @@ class ModelCache:
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+
+    def chunk_length(self, n: int) -> int:
+        """Tokens of the next ``n`` one forward pass takes: all (a layer attends a chunk exactly)."""
+        return n
+
+    def stepped(self, n: int) -> None:
+        """The layers counted the step's tokens themselves."""
 
     @property
     def n_seen(self) -> int:

@@ -24,7 +24,7 @@ def layout(cache: ModelCache) -> str:
     first = cache.layers[0]
     s = first.shape
     windows = ",".join(str(layer.model_window or 0) for layer in cache.layers)
-    return (f"mlx|{str(s.full_dtype).removeprefix('mlx.core.')}|{len(cache.layers)}x{s.n_kv_heads}x{s.head_dim}"
+    return (f"mlx {cache.kind}|{str(s.full_dtype).removeprefix('mlx.core.')}|{len(cache.layers)}x{s.n_kv_heads}x{s.head_dim}"
             f"|rope{'-traditional' if s.traditional_rope else ''}|windows {windows}")
 
 

@@ -1,7 +1,8 @@
 """``--backend mlx``: Apple Silicon through MLX (Linux CPU runs it too, slowly, for tests).
 
-The model graph is localctx's own (llama.py, gemma3.py); the KV cache is localctx's (policy_cache.py), so every
-policy combination runs, including rotating + quantized, which mlx-lm refuses."""
+The model graph is mlx-lm's for its architecture (zoo.py, with localctx's policy cache through the cache
+object mlx-lm's models call: lm_cache.py) or localctx's own page (llama.py, gemma3.py, with policy_cache.py)
+where the policy needs it (``zoo.graph_for``). Either is called as ``model(tokens, cache, last_only)``."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,20 +14,20 @@ from typing import Iterator
 import mlx.core as mx
 import numpy as np
 
-from localctx.backends.base import (Backend, Capabilities, GenerationEvent, GenerationParams, OutputConstraint,
-                                    Prompt, Session, StatsClock, check_prompt_fits, with_template_stops)
-from localctx.backends.mlx import prompt_cache as mlx_prompt_cache
-from localctx.backends.mlx.policy_cache import CacheShape, ModelCache
-from localctx.backends.mlx.loading import LoadedModel, LoadOptions, load_folder, load_gguf
-from localctx.backends.mlx.sampling import Sampler
-from localctx.backends.mlx.tokenizer import Tokenizer, folder_tokenizer, gguf_tokenizer
-from localctx.backends.models.spec_reader import read_spec
+from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
+                                    StatsClock, check_prompt_fits, with_template_stops)
+from localctx.backends.generation import speculation
 from localctx.backends.generation.decode_loop import KVProbe, stream
-from localctx.kernels_metal.decode_attention import KERNEL_AVAILABLE as DECODE_KERNEL
+from localctx.backends.mlx import prompt_cache as mlx_prompt_cache
+from localctx.backends.mlx.loading import LoadedModel, LoadOptions
+from localctx.backends.mlx.lm_cache import NativeCache
+from localctx.backends.mlx.sampling import Sampler
+from localctx.backends.mlx.speculate import MLXVerifier
+from localctx.backends.mlx.tokenizer import Tokenizer
+from localctx.backends.mlx.zoo import LMModel
 from localctx.kvcache import prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.prompt_cache import PromptCache
 from localctx.kvcache.model_spec import ModelSpec
 
@@ -38,17 +39,17 @@ class SessionOptions:
     policy exactly as decoding does (what quality evaluation wants)."""
     prefill_chunk: int = 256
     load: LoadOptions = LoadOptions()
+    graph: str = "auto"  # "page" (llama.py / gemma3.py), "mlx-lm" (zoo.py) or "auto" (zoo.graph_for)
 
 
 class MLXSession(Session):
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, spec: ModelSpec, plan: Plan,
+    def __init__(self, loaded: LoadedModel | LMModel, tokenizer: Tokenizer, spec: ModelSpec, plan: Plan,
                  options: SessionOptions = SessionOptions()):
+        """``loaded``: a page's model (loading.py) or an mlx-lm model (zoo.py); either is called as
+        ``loaded(tokens, cache, last_only)`` and makes its own cache for the plan's policy."""
         self.spec, self.plan, self.backend_name = spec, plan, "mlx"
-        self.model, self.tokenizer, self.options = loaded.model, tokenizer, options
-        a = loaded.model.args
-        shape = CacheShape(a.n_kv_heads, a.head_dim, mx.float16 if spec.kv_elem_bytes == 2 else mx.float32,
-                           a.traditional_rope)
-        self.cache = ModelCache(plan.policy, a.n_layers, shape, loaded.inv_freq, loaded.layer_windows)
+        self.model, self.tokenizer, self.options = loaded, tokenizer, options
+        self.cache = loaded.make_cache(plan.policy, spec)
         self.fed: list[int] = []
         self.last_logits: np.ndarray | None = None
 
@@ -72,9 +73,10 @@ class MLXSession(Session):
         if self.model is None:
             raise UserError("this MLX session is closed; load the model again")
         chunk = max(1, self.options.prefill_chunk)
-        outs = []
-        for start in range(0, len(tokens), chunk):
-            part = tokens[start:start + chunk]
+        outs, start = [], 0
+        while start < len(tokens):
+            part = tokens[start:start + self.cache.chunk_length(min(chunk, len(tokens) - start))]
+            start += len(part)
             before = self.cache.snapshot()
             try:
                 logits = self.model(mx.array(part, dtype=mx.int32), self.cache, last_only=not all_logits)
@@ -82,6 +84,8 @@ class MLXSession(Session):
             except BaseException:  # a layer raised, or the evaluation did: no layer keeps this chunk
                 self.cache.restore(before)
                 self.last_logits = None  # the cache now ends where ``fed`` does, with no logits for it
+                if self.cache.n_seen != len(self.fed):  # mlx-lm's own caches restart instead
+                    self.reset()
                 raise
             outs.append(np.array(logits))
             self.fed.extend(part)
@@ -110,6 +114,8 @@ class MLXSession(Session):
     def enable_prompt_cache(self, model_path: Path) -> str | None:
         if not Path(model_path).is_file():
             return "the prompt cache keys on a single model file; this model is a folder"
+        if self.cache.kind == NativeCache.kind:
+            return f"mlx-lm's own caches for {self.spec.architecture} (sliding or recurrent layers) are not saved to disk"
         policy, cache = str(self.plan.policy), self.cache
         self.prompt_cache = PromptCache(lambda: mlx_prompt_cache.scope(prompt_cache.model_hash(model_path), policy, cache))
         return None
@@ -159,11 +165,17 @@ class MLXSession(Session):
         tokens = self.tokenizer.encode(self.render(prompt))
         params = with_template_stops(prompt, params, self.tokenizer.template.stops)
         check_prompt_fits(len(tokens), self.plan, self.spec, params.max_tokens)
+        limit = self.cache.position_limit
+        if limit is not None and self.plan.policy.evicts and len(tokens) + params.max_tokens > limit:
+            raise UserError(f"mlx-lm's {self.spec.architecture} rotates keys at their stream positions, so "
+                            f"--kv {self.plan.policy} streams only to the trained context ({limit:,} tokens), "
+                            f"not {len(tokens):,} + {params.max_tokens:,}; lower --max-tokens or the prompt")
         if not self.plan.policy.evicts:
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.plan.context - len(tokens)))
         todo, cached = self._plan_feed(tokens)
         clock = StatsClock(backend="mlx", policy=str(self.plan.policy), prompt_tokens=len(tokens),
-                           cached_tokens=cached)
+                           cached_tokens=cached, speculate=speculation.resolve(
+                               params.speculate, self.plan.policy, constrained=params.constraint is not None))
         sampler = Sampler(params, self.tokenizer.guides.guide(params.constraint) if params.constraint else None)
 
         def ids() -> Iterator[int]:
@@ -173,5 +185,11 @@ class MLXSession(Session):
                 yield tok
                 logits = self.feed([tok])
 
-        yield from stream(ids(), token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos, params=params,
+        def drafted_ids() -> Iterator[int]:
+            first = self._prefill(tokens, todo, clock)
+            verifier = MLXVerifier(self, None if self.plan.policy.evicts else self.plan.context)
+            yield from speculation.speculative_tokens(verifier, tokens, first, params, clock)
+
+        source = drafted_ids() if clock.speculate == "ngram" else ids()
+        yield from stream(source, token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos, params=params,
                           clock=clock, probe=KVProbe(self.cache.probe), cancel=cancel)

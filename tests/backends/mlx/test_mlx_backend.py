@@ -11,6 +11,7 @@ mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip inst
 from localctx.backends import registry  # noqa: E402
 from localctx.backends.base import GenerationParams  # noqa: E402
 from localctx.backends.mlx.backend import MLXBackend  # noqa: E402
+from localctx.backends.mlx.session import SessionOptions  # noqa: E402
 from localctx.backends.models.spec_reader import hf_spec  # noqa: E402
 from localctx.backends.models.ref import ModelRef  # noqa: E402
 from localctx.kvcache import cost  # noqa: E402
@@ -48,10 +49,12 @@ def write_tiny_folder(path, config):
     return folder
 
 
-def tiny_session(folder, kv="fp16", context=None):
+def tiny_session(folder, kv="fp16", context=None, graph="auto"):
+    """``graph``: "page" (localctx's llama.py), "mlx-lm" (mlx-lm's llama) or "auto" (zoo.graph_for)."""
     ref = ModelRef("hf", folder, "tiny", "folder")
     spec = hf_spec(folder)
-    return MLXBackend().load(ref, Plan.fixed("mlx", spec, KVPolicy.parse(kv), context)), spec
+    backend = MLXBackend(SessionOptions(graph=graph))
+    return backend.load(ref, Plan.fixed("mlx", spec, KVPolicy.parse(kv), context)), spec
 
 
 def _events(session, prompt, **kw):

@@ -50,20 +50,22 @@ def document(n_words: int, seed: int) -> str:
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n_words))
 
 
-@pytest.mark.parametrize("kv", ["fp16", "int4+res32", "int8+sink4+win300+heavy32"])
-def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_run(long_folder, kv):
+@pytest.mark.parametrize("kv,graph", [("fp16", "mlx-lm"), ("int4+res32", "mlx-lm"), ("int8+sink4+win300", "mlx-lm"),
+                                      ("int4+res32", "page"), ("int8+sink4+win300+heavy32", "page")])
+def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_run(long_folder, kv, graph):
+    """On mlx-lm's model (keys cached rotated) and on the page (keys before RoPE) alike."""
     doc = document(700, seed=1)
     q1 = [{"role": "user", "content": doc + " the cache"}]
     q2 = [{"role": "user", "content": doc + " a window of"}]
-    cold, _ = tiny_session(long_folder, kv)
+    cold, _ = tiny_session(long_folder, kv, graph=graph)
     want, _ = tokens_of(cold, q2)
-    first, spec = tiny_session(long_folder, kv)
+    first, spec = tiny_session(long_folder, kv, graph=graph)
     assert first.enable_prompt_cache(long_folder / "model.safetensors") is None
     _, stats1 = tokens_of(first, q1, n=1)
     [entry] = prompt_cache.entries()
     n_file = int(entry.meta["n_tokens"])
     assert n_file == (stats1.prompt_tokens - 1) // CHUNK * CHUNK >= CHUNK
-    second, _ = tiny_session(long_folder, kv)
+    second, _ = tiny_session(long_folder, kv, graph=graph)
     second.enable_prompt_cache(long_folder / "model.safetensors")
     got, stats2 = tokens_of(second, q2)
     assert stats2.loaded_tokens == stats2.cached_tokens == n_file

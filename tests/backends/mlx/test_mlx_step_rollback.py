@@ -26,10 +26,13 @@ def same(a: list, b: list) -> bool:
                                     for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("kv", ["fp16+sink2+win12", "int8+sink2+win40+heavy4", "int4+res8"])
-def test_a_step_failing_in_any_layer_leaves_no_trace(tiny_folder, kv, monkeypatch):
-    failing, _ = tiny_session(tiny_folder, kv)
-    clean, _ = tiny_session(tiny_folder, kv)
+@pytest.mark.parametrize("kv,graph,method", [
+    ("fp16+sink2+win12", "page", "attend"), ("int8+sink2+win40+heavy4", "page", "attend"),
+    ("int4+res8", "page", "attend"), ("int4+res8", "mlx-lm", "update_and_fetch"),
+    ("int8+sink2+win12", "mlx-lm", "update_and_fetch")])
+def test_a_step_failing_in_any_layer_leaves_no_trace(tiny_folder, kv, graph, method, monkeypatch):
+    failing, _ = tiny_session(tiny_folder, kv, graph=graph)
+    clean, _ = tiny_session(tiny_folder, kv, graph=graph)
     prompt = failing.tokenizer.encode("the cache keeps sinks and a window of recent tokens " * 2)
     logits = [s.feed(prompt) for s in (failing, clean)]
     n_layers = len(failing.cache.layers)
@@ -37,13 +40,13 @@ def test_a_step_failing_in_any_layer_leaves_no_trace(tiny_folder, kv, monkeypatc
         tok = int(np.argmax(logits[1]))
         before = [layer_state(layer) for layer in failing.cache.layers]
         bad = failing.cache.layers[step % n_layers]
-        real = bad.attend
+        real = getattr(bad, method)
 
         def attend_then_fail(*args, real=real):
             real(*args)
             raise InjectedFailure("out of memory")
         with monkeypatch.context() as m:
-            m.setattr(bad, "attend", attend_then_fail)
+            m.setattr(bad, method, attend_then_fail)
             with pytest.raises(InjectedFailure):
                 failing.feed([tok])
         assert all(same(layer_state(layer), b) for layer, b in zip(failing.cache.layers, before))

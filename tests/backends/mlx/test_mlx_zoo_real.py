@@ -1,0 +1,75 @@
+"""Real K-quant GGUFs on mlx-lm's models (--backend mlx, graph mlx-lm): the bundled SmolLM2-135M
+re-quantized with llama.cpp's own quantizer to Q4_K_M and Q6_K, and Gemma 3 270M's Q4_K_M, each
+converted (gguf_convert.py) and decoded greedily on 3 prompts: the first token is llama.cpp's, and
+each of the first few is one llama.cpp scores within ``TIE`` of its own best (MLX's affine
+re-quantization rounds differently from the K-quants, so a near-tie may go the other way)."""
+import ctypes
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'mlx[cpu]' on Linux)")
+pytest.importorskip("mlx_lm", reason="the MLX model zoo needs mlx-lm (pip install 'mlx-lm[cpu]' on Linux)")
+llama_cpp = pytest.importorskip("llama_cpp", reason="the reference is llama.cpp (llama-cpp-python)")
+
+from localctx.backends.mlx.backend import MLXBackend  # noqa: E402
+from localctx.backends.mlx.lm_cache import LMCache, NativeCache  # noqa: E402
+from localctx.backends.mlx.session import SessionOptions  # noqa: E402
+from localctx.backends.models.ref import ModelRef  # noqa: E402
+from localctx.backends.models.spec_reader import read_spec  # noqa: E402
+from localctx.kvcache.plan import Plan  # noqa: E402
+from localctx.kvcache.policy import KVPolicy  # noqa: E402
+
+from test_mlx_zoo import greedy  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+AGREE = 4  # leading greedy tokens checked against llama.cpp's logits
+TIE = 1.0  # logits: how far below llama.cpp's best a chosen token may score
+
+
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q6_K"])
+def smollm2_kquant(request, smollm2_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kquant") / f"smollm2-{request.param.lower()}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{request.param}")
+    params.allow_requantize = True
+    assert llama_cpp.llama_model_quantize(str(smollm2_path).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    return out
+
+
+def llamacpp_logits(llm, ids):
+    """llama.cpp's logits after each of ``ids``."""
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[:len(ids)])
+
+
+def check_against_llamacpp(path, policy="fp16"):
+    spec = read_spec(ModelRef("gguf", path, path.name, "file"))
+    plan = Plan.fixed("mlx", spec, KVPolicy.parse(policy), 256)
+    session = MLXBackend(SessionOptions(graph="mlx-lm")).load(ModelRef("gguf", path, path.name, "file"), plan)
+    llm = llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False)
+    for prompt in PROMPTS:
+        ids = session.tokenizer.encode(prompt)
+        session.reset()
+        out = greedy(session, ids, AGREE)
+        ref = llamacpp_logits(llm, ids + out)[len(ids) - 1:]
+        assert out[0] == int(ref[0].argmax()), prompt
+        assert all(row[tok] >= row.max() - TIE for row, tok in zip(ref, out)), (prompt, out)
+    return session
+
+
+@pytest.mark.slow
+def test_a_smollm2_kquant_gguf_runs_on_mlx_lm_like_llamacpp(smollm2_kquant, capsys):
+    session = check_against_llamacpp(smollm2_kquant)
+    assert isinstance(session.cache, LMCache)
+    assert "converted" in capsys.readouterr().err
+    if "q4_k_m" in smollm2_kquant.name:
+        check_against_llamacpp(smollm2_kquant, "int8")  # the second load uses the cached conversion
+        assert "converted" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_runs_on_mlx_lm_like_llamacpp(gemma3_path):
+    session = check_against_llamacpp(gemma3_path)
+    assert isinstance(session.cache, NativeCache)  # its sliding layers keep mlx-lm's own caches
