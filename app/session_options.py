@@ -10,7 +10,6 @@ from localctx.backends import registry
 from localctx.backends.base import Session
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import ModelRef, resolve
-from localctx.backends.fake.session import FAKE_SPEC
 from localctx.backends.machine.planner_inputs import PlanningContext, make_auto_plan, plan_fixed, planning_context
 from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
@@ -120,7 +119,12 @@ def resolve_model(req: SessionRequest, watch: Stopwatch | None = None) -> tuple[
     watch = watch or Stopwatch()
     ref = resolve(req.model if req.backend != "fake" or req.model else "fake")
     watch.lap("model file")
-    spec = FAKE_SPEC if ref.kind == "fake" else read_spec(ref)
+    if ref.kind == "fake":
+        from localctx.backends.fake.session import FAKE_SPEC
+
+        spec = FAKE_SPEC
+    else:
+        spec = read_spec(ref)
     watch.lap("header")
     return ref, spec
 

@@ -25,7 +25,6 @@ from localctx.backends.base import (GenerationEvent, GenerationParams, OutputCon
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
-from localctx.backends.llamacpp.batch import llama_seed
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits
 from localctx.backends.models.ref import ModelRef
@@ -305,6 +304,8 @@ class LlamaCppSession(Session):
         self._disk_prefix(prompt_ids, clock)
         self._reuse_chunks(prompt_ids, clock)
         if params.seed is not None:
+            from localctx.backends.llamacpp.batch import llama_seed  # the batch decoder: not on the plain path
+
             self.llm.set_seed(llama_seed(params.seed))  # a 32-bit seed: folded, never truncated
         rules = grammar.llama_grammar(params.constraint) if params.constraint else None
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
