@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Iterator
 
 from localctx.backends.generation import speculation
-from localctx.backends.llamacpp import cache_reuse, grammar, grow, shift
+from localctx.backends.llamacpp import cache_reuse, grow, shift
 from localctx.backends.llamacpp import prompt_cache as llama_prompt_cache
 from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
 from localctx.backends.models.spec_reader import read_spec
-from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.kvcache import prompt_cache
@@ -250,6 +249,8 @@ class LlamaCppSession(Session):
         """llama.cpp's grammar engine (grammar.py): None when the schema's grammar parses."""
         import llama_cpp
 
+        from localctx.backends.llamacpp import grammar  # structured output only: off run's start-up path
+
         return grammar.refusal(llama_cpp.llama_model_get_vocab(self.llm.model), constraint)
 
     def enable_cache_reuse(self, min_run: int) -> str | None:
@@ -307,7 +308,11 @@ class LlamaCppSession(Session):
             from localctx.backends.llamacpp.batch import llama_seed  # the batch decoder: not on the plain path
 
             self.llm.set_seed(llama_seed(params.seed))  # a 32-bit seed: folded, never truncated
-        rules = grammar.llama_grammar(params.constraint) if params.constraint else None
+        rules = None
+        if params.constraint:
+            from localctx.backends.llamacpp import grammar
+
+            rules = grammar.llama_grammar(params.constraint)
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
             yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature, rules)
             return "stop"
@@ -333,6 +338,8 @@ class LlamaCppSession(Session):
         self._disk_prefix(prompt_ids, clock)
         self._reuse_chunks(prompt_ids, clock)
         self._prefill(prompt_ids)
+        from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits  # prompt lookup only
+
         verifier = LlamaCppVerifier(self.llm, self.plan.context, self._shift)
         try:
             tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock)
