@@ -340,7 +340,8 @@ class LlamaCppSession(Session):
         self._prefill(prompt_ids)
         from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits  # prompt lookup only
 
-        verifier = LlamaCppVerifier(self.llm, self.plan.context, self._shift)
+        # a verify batch stays inside the context allocated now (fit() made room for the prompt and answer)
+        verifier = LlamaCppVerifier(self.llm, min(self.plan.context, int(self.llm.n_ctx())), self._shift)
         try:
             tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock)
             for token in tokens:

@@ -197,7 +197,8 @@ class TorchSession(Session):
         def drafted_tokens() -> Iterator[int]:
             with self.engine_lock:
                 first = prefill().float().cpu().numpy()
-                limit = None if self.plan.policy.evicts else self.plan.context
+                # a verify step stays inside the cache allocated now (fit() made room for the prompt and answer)
+                limit = None if self.plan.policy.evicts else min(self.plan.context, cache.pool.capacity_tokens)
                 verifier = TorchVerifier(self.engine, CONVERSATION, self.history, limit)
                 yield from speculation.speculative_tokens(verifier, ids, first, params, clock)
 
