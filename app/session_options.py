@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
+from localctx.app.startup_timings import Stopwatch
 from localctx.backends import registry
 from localctx.backends.base import Session
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import ModelRef, resolve
-from localctx.backends.fake.session import FAKE_SPEC
 from localctx.backends.machine.planner_inputs import PlanningContext, make_auto_plan, plan_fixed, planning_context
+from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.planner import PlanRequest, parse_size
 from localctx.kvcache.plan import Plan
@@ -44,7 +45,8 @@ def add_session_options(parser: argparse.ArgumentParser, remote: bool = True) ->
     parser.add_argument("--kv", default=None, metavar="POLICY",
                         help="KV policy, e.g. fp16, int8, int4+res128, int4+sink4+win4096 (default: planned)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
-                        help="tokens the session holds (default: the model's trained context)")
+                        help="tokens the session may hold (default: the model's trained context); run allocates "
+                             "what its request needs unless N is more, chat starts small and grows up to N")
     parser.add_argument("--min-tok-s", type=float, default=None, metavar="N",
                         help="decode speed target: the plan keeps decode at or above N tok/s")
     parser.add_argument("--exact", action="store_true",
@@ -68,6 +70,9 @@ class SessionRequest:
     prompt_cache: bool = False  # keep long prompts' KV on disk (run, chat, summarize)
     cache_reuse: int = 0  # llama.cpp: move cached runs of at least this many tokens into place (0: off)
     timeout: float | None = None  # --backend openai: seconds to wait for the server's next bytes
+    # tokens to allocate KV for at load (the session grows toward the plan's context); None: all of it.
+    # --context, where given, is allocated whole.
+    allocate: int | None = None
 
     @classmethod
     def from_local_args(cls, args: argparse.Namespace, prompt_cache: bool = False,
@@ -100,7 +105,7 @@ def remote_request(req: SessionRequest):
                          **({"timeout_s": req.timeout} if req.timeout else {}))
 
 
-def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
+def resolve_model(req: SessionRequest, watch: Stopwatch | None = None) -> tuple[ModelRef, ModelSpec]:
     if req.backend == "openai":
         from localctx.backends.openai.session import open_remote, remote_ref_path
 
@@ -111,9 +116,29 @@ def resolve_model(req: SessionRequest) -> tuple[ModelRef, ModelSpec]:
     if req.timeout is not None:
         raise UserError("--timeout bounds the wait for a server (--backend openai); a local model has none to "
                         "bound: drop --timeout")
+    watch = watch or Stopwatch()
     ref = resolve(req.model if req.backend != "fake" or req.model else "fake")
-    spec = FAKE_SPEC if ref.kind == "fake" else read_spec(ref)
+    watch.lap("model file")
+    if ref.kind == "fake":
+        from localctx.backends.fake.session import FAKE_SPEC
+
+        spec = FAKE_SPEC
+    else:
+        spec = read_spec(ref)
+    watch.lap("header")
     return ref, spec
+
+
+def check_plan_options(req: SessionRequest) -> None:
+    if req.context is not None and req.context < 16:
+        raise UserError(f"--context {req.context} is too small; give at least 16 tokens")
+    if req.kv and (req.exact or req.min_tok_s):
+        raise UserError("--kv names the policy itself; drop --exact / --min-tok-s, or drop --kv to let localctx plan")
+
+
+def make_planning_context(req: SessionRequest, spec: ModelSpec) -> PlanningContext:
+    """This machine (its profile measured once and cached) or ``req.hardware``, and the backend's view."""
+    return planning_context(req.backend, spec, hardware=req.hardware, measure=req.backend != "fake")
 
 
 def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None = None) -> Plan:
@@ -124,12 +149,9 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
         from localctx.backends.openai.session import open_remote
 
         return open_remote(remote_request(req)).plan
-    if req.context is not None and req.context < 16:
-        raise UserError(f"--context {req.context} is too small; give at least 16 tokens")
-    if req.kv and (req.exact or req.min_tok_s):
-        raise UserError("--kv names the policy itself; drop --exact / --min-tok-s, or drop --kv to let localctx plan")
+    check_plan_options(req)
     if ctx is None:
-        ctx = planning_context(req.backend, spec, hardware=req.hardware, measure=req.backend != "fake")
+        ctx = make_planning_context(req, spec)
     plan = plan_fixed(ctx, spec, KVPolicy.parse(req.kv), req.plan_request()) if req.kv else \
         make_auto_plan(ctx, spec, req.plan_request())
     if req.kv:  # a policy the user named is refused by plan as by run, with the backend's reason
@@ -167,10 +189,14 @@ class PlannedSession:
     cache_reuse: int = 0  # llama.cpp's shift-based chunk reuse, runs of at least this many tokens (0: off)
     opened: Session | None = None  # --backend openai: the remote session planning already opened
 
-    def load(self) -> Session:
+    def load(self, watch: Stopwatch | None = None) -> Session:
         if self.opened is not None:
             return self.opened
+        watch = watch or Stopwatch()
         session = registry.get(self.plan.backend).load(self.ref, self.plan)
+        watch.lap("load")
+        for part, seconds in session.load_parts.items():
+            watch.split("load", part, seconds)
         if self.prompt_cache and self.ref.kind != "fake":
             session.enable_prompt_cache(self.ref.path)  # a backend without one just says why; nothing to tell here
         if self.cache_reuse:
@@ -178,6 +204,7 @@ class PlannedSession:
             if reason:
                 session.close()
                 raise UserError(f"--cache-reuse does not apply: {reason}; drop --cache-reuse")
+        watch.lap("prompt cache")
         return session
 
 
@@ -188,27 +215,50 @@ def refuse_unrunnable(plan: Plan, spec: ModelSpec) -> None:
                         "choose another --kv or --backend")
 
 
-def plan_session(req: SessionRequest) -> PlannedSession:
+GROW_FROM_TOKENS = 4096  # a conversation's first allocation (chat): it doubles as the conversation grows
+
+
+def size_plan(plan: Plan, req: SessionRequest, spec: ModelSpec) -> Plan:
+    """The plan allocating ``req.allocate`` tokens at load (or --context, where that is more), in the backend's
+    cells and its own bytes; the plan's context stays the maximum the session grows to."""
+    if req.allocate is None:
+        return plan
+    cls = registry.backend_class(plan.backend)
+    backend = cls() if cls is not None else None
+    allocation = (backend.kv_allocation() if backend is not None else None) or cost.max_kv_bytes
+    cell = backend.kv_cell_tokens if backend is not None else 1
+    return plan.sized_to(max(req.allocate, req.context or 0), cell, lambda n: allocation(spec, plan.policy, n))
+
+
+def plan_session(req: SessionRequest, watch: Stopwatch | None = None) -> PlannedSession:
     """Resolves and plans; a bad model, policy or backend is refused here, before anything loads.
-    With --backend openai the servers are asked here, and load() hands back that remote session."""
+    With --backend openai the servers are asked here, and load() hands back that remote session.
+    ``watch`` times the stages (run --timings)."""
+    watch = watch or Stopwatch()
     if req.backend == "openai":
         from localctx.backends.openai.session import open_remote, remote_ref_path
 
         remote = open_remote(remote_request(req))
         ref = ModelRef("remote", remote_ref_path(remote.model), remote.model, "endpoint")
+        watch.lap("remote plan")
         return PlannedSession(ref, remote.spec, remote.plan, opened=remote)
-    ref, spec = resolve_model(req)
-    plan = make_plan(req, spec)
+    ref, spec = resolve_model(req, watch)
+    check_plan_options(req)
+    ctx = make_planning_context(req, spec)
+    watch.lap("machine and backend profile")
+    plan = size_plan(make_plan(req, spec, ctx), req, spec)
+    watch.lap("plan")
     refuse_unrunnable(plan, spec)
+    watch.lap("engine import and check")
     if check_cache_reuse(req.cache_reuse) and plan.backend != "llamacpp":  # before a model loads for nothing
         raise UserError(f"--cache-reuse is llama.cpp's shift-based chunk reuse and the plan runs on {plan.backend}; "
                         "add --backend llamacpp or drop --cache-reuse")
     return PlannedSession(ref, spec, plan, req.prompt_cache, req.cache_reuse)
 
 
-def open_session(req: SessionRequest) -> Session:
+def open_session(req: SessionRequest, watch: Stopwatch | None = None) -> Session:
     if req.backend == "openai":
         from localctx.backends.openai.session import open_remote
 
         return open_remote(remote_request(req))
-    return plan_session(req).load()
+    return plan_session(req, watch).load(watch)

@@ -173,6 +173,7 @@ class Session(ABC):
     plan: Plan
     backend_name: str
     prompt_cache = None  # a kvcache.prompt_cache.PromptCache once enable_prompt_cache() succeeded
+    load_parts: dict[str, float] = {}  # seconds of the parts of its load a session timed (run --timings); read-only
 
     @abstractmethod
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),
@@ -229,6 +230,7 @@ class Session(ABC):
 
 class Backend(ABC):
     name: str = ""
+    kv_cell_tokens: int = 1  # a KV allocation is a whole number of these (plan.sized_to rounds up to it)
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can run here, else why not (and what to install)."""

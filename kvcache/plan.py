@@ -1,7 +1,8 @@
 """Plan: what the planner chose, what it projects, and why (docs/architecture.md "Core types")."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from localctx.kvcache import cost
 from localctx.kvcache.eviction import policy_cache_layout
@@ -29,6 +30,9 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     kv_layout: str = ""  # what the backend's cache holds for ``policy``, in words (Backend.describe_kv)
+    # tokens the session allocates when it loads (None: all of ``context``); it grows toward ``context``
+    allocated: int | None = None
+    allocated_kv_bytes: int | None = None  # KV bytes of ``allocated`` tokens, as the backend holds them
 
     def __post_init__(self) -> None:
         if not self.kv_layout:  # a plan made without its backend's words: the policy cache's
@@ -41,6 +45,36 @@ class Plan:
     @property
     def memory_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
+
+    @property
+    def allocated_context(self) -> int:
+        """Tokens allocated at load: ``allocated``, or the whole ``context``."""
+        return self.context if self.allocated is None else self.allocated
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.kv_bytes if self.allocated_kv_bytes is None else self.allocated_kv_bytes
+
+    def sized_to(self, tokens: int, cell: int, kv_bytes: Callable[[int], int]) -> "Plan":
+        """This plan allocating ``tokens`` now, rounded up to the backend's ``cell`` and at most ``context``
+        (``kv_bytes(n)``: the backend's bytes for n tokens); the maximum stays ``context`` / ``kv_bytes``. A
+        windowed policy keeps its fixed capacity, so it is returned as is."""
+        if self.policy.evicts:
+            return self
+        n = min(self.context, -(-max(1, tokens) // cell) * cell)
+        return replace(self, allocated=n, allocated_kv_bytes=kv_bytes(n) if n < self.context else self.kv_bytes)
+
+    def grow_to(self, tokens: int, kv_bytes: int) -> None:
+        """Records that the session grew to hold ``tokens`` (``kv_bytes`` of KV allocated); in place, so
+        what shows this plan (the chat's panel) shows the allocation as it is."""
+        self.allocated, self.allocated_kv_bytes = tokens, kv_bytes
+
+    def allocation_words(self) -> str:
+        """"KV 12.0 MiB allocated for 768 tokens, grows to 180 MiB at 8,192", or the full allocation's words."""
+        if self.allocated_context >= self.context:
+            return f"KV {cost.format_bytes(self.kv_bytes)} allocated for all {self.context:,} tokens"
+        return (f"KV {cost.format_bytes(self.allocated_bytes)} allocated for {self.allocated_context:,} tokens, "
+                f"grows to {cost.format_bytes(self.kv_bytes)} at {self.context:,}")
 
     @classmethod
     def fixed(cls, backend: str, spec: ModelSpec, policy: KVPolicy, context: int | None = None,
@@ -57,7 +91,8 @@ class Plan:
         return {
             "backend": self.backend, "policy": str(self.policy), "exact": self.exact, "kv_layout": self.kv_layout,
             "context": self.context, "kv_bytes": self.kv_bytes, "weight_bytes": self.weight_bytes,
-            "memory_bytes": self.memory_bytes, "decode_tok_s": self.decode_tok_s,
+            "memory_bytes": self.memory_bytes, "allocated_context": self.allocated_context,
+            "allocated_kv_bytes": self.allocated_bytes, "decode_tok_s": self.decode_tok_s,
             "prefill_tok_s": self.prefill_tok_s, "hardware": self.hardware, "reasons": list(self.reasons),
             "rejected": [r.__dict__ for r in self.rejected],
         }

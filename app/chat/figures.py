@@ -60,6 +60,11 @@ class CacheFigures:
         return self.facts.plan.kv_bytes
 
     @property
+    def kv_allocated(self) -> int:
+        """KV bytes allocated now: the session grows it toward ``kv_budget`` (kvcache/plan.py)."""
+        return self.facts.plan.allocated_bytes
+
+    @property
     def kv_tokens(self) -> int:
         return self.stats.kv_tokens if self.stats else 0
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import psutil
 
-from localctx.app.session_options import (SessionRequest, add_cache_reuse_option, add_prompt_cache_option,
-                                          add_session_options, open_session, plan_session)
+from localctx.app.session_options import (GROW_FROM_TOKENS, SessionRequest, add_cache_reuse_option,
+                                          add_prompt_cache_option, add_session_options, open_session, plan_session)
 from localctx.backends.generation import speculation
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes
@@ -53,7 +53,8 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.history import History
 
     params = params_from(args)
-    request = SessionRequest.from_args(args, prompt_cache=args.prompt_cache, cache_reuse=args.cache_reuse)
+    request = replace(SessionRequest.from_args(args, prompt_cache=args.prompt_cache, cache_reuse=args.cache_reuse),
+                      allocate=GROW_FROM_TOKENS)  # the KV starts small and grows with the conversation
     planned = plan_session(request)  # a bad -m / --kv / --context fails here, before the TUI starts
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UserError("localctx chat needs a terminal (stdin and stdout); for piped or scripted use, "

@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from localctx.app.session_options import SessionRequest, add_session_options, make_plan, resolve_model
+from localctx.app.session_options import (GROW_FROM_TOKENS, SessionRequest, add_session_options, make_plan,
+                                          resolve_model)
 from localctx.backends.machine.detect import profile_names, resolve_hardware
 from localctx.backends.models.spec_reader import hub_config_spec
 from localctx.backends.models.ref import is_repo_id
@@ -135,6 +136,9 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
     print(f"context   {plan.context:,} tokens; KV {format_bytes(plan.kv_bytes)} + weights "
           f"{format_bytes(plan.weight_bytes)}; decode ≈ {plan.decode_tok_s:.1f} tok/s"
           + (f", prefill ≈ {plan.prefill_tok_s:.0f} tok/s" if plan.prefill_tok_s else ""))
+    if not plan.policy.evicts:
+        print(f"allocated as the work needs it, up to the context above: run, its prompt + --max-tokens; chat, "
+              f"{GROW_FROM_TOKENS:,} tokens, doubling as the conversation grows")
     print("\nprojected with this policy:")
     print(f"  {'context':>9}  {'KV memory':>10}  {'decode tok/s':>12}  fits")
     for r in rows:

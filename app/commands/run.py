@@ -7,11 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+from localctx.app.startup_timings import Stopwatch, since_process_start
 from localctx.app.session_options import SessionRequest, add_prompt_cache_option, add_session_options, open_session
 from localctx.backends.generation import speculation
 from localctx.backends.base import GenerationParams, GenerationStats, OutputConstraint
 from localctx.kvcache.cost import format_bytes
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
 
 
 def register(sub) -> None:
@@ -36,6 +38,9 @@ def register(sub) -> None:
                    help="answer with JSON valid against this JSON Schema (sampled under its grammar; docs/serve.md)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, stats, policy, backend)")
+    p.add_argument("--timings", action="store_true",
+                   help="say where the start-up time went (imports, header, profile, plan, load, template, first "
+                        "token) on stderr, or under \"timings\" with --json")
     p.set_defaults(handler=handle)
 
 
@@ -96,21 +101,40 @@ def speculation_words(stats: GenerationStats) -> str:
     return ", prompt lookup off" if stats.speculate.startswith("off (") else ""
 
 
-def stats_line(stats: GenerationStats, exact: bool, finish: str) -> str:
+def stats_line(stats: GenerationStats, plan: Plan, finish: str) -> str:
+    allocated = (f" of {format_bytes(plan.allocated_bytes)} allocated ({plan.allocated_context:,} tokens; "
+                 f"{format_bytes(plan.kv_bytes)} at {plan.context:,})" if plan.allocated_context < plan.context else "")
     return (f"[{stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated, "
             f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s"
             f"{speculation_words(stats)}, "
-            f"KV {format_bytes(stats.kv_bytes)}, policy {stats.policy} ({'exact' if exact else 'lossy'}), "
-            f"backend {stats.backend}, finish {finish}]")
+            f"KV {format_bytes(stats.kv_bytes)}{allocated}, policy {stats.policy} "
+            f"({'exact' if plan.exact else 'lossy'}), backend {stats.backend}, finish {finish}]")
+
+
+TEMPLATE_TOKENS = 128  # room for the chat template's own tokens (role markers, a default system message)
+
+
+def request_tokens(text: str, system: str | None, max_tokens: int) -> int:
+    """The tokens this request may hold, from above: a token stands for at least one byte of the prompt, plus
+    the template's tokens and the answer. A template longer than that grows the context (session.fit)."""
+    return len(text.encode("utf-8")) + len((system or "").encode("utf-8")) + TEMPLATE_TOKENS + max_tokens
 
 
 def handle(args: argparse.Namespace) -> int:
+    watch = Stopwatch()
+    if args.timings:
+        started = since_process_start()
+        if started is not None:
+            watch.stages["interpreter and imports"] = started
     text = read_prompt(args.prompt)
     params = params_from(args)
     constraint = read_schema(args.json_schema) if args.json_schema else None
     messages = text if args.raw else (
         ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}])
-    session = open_session(SessionRequest.from_args(args, prompt_cache=args.prompt_cache))
+    request = dataclasses.replace(SessionRequest.from_args(args, prompt_cache=args.prompt_cache),
+                                  allocate=request_tokens(text, args.system, args.max_tokens))
+    watch.lap("prompt")
+    session = open_session(request, watch)
     if constraint is not None:
         reason = session.constraint_refusal(constraint)
         if reason:
@@ -123,6 +147,8 @@ def handle(args: argparse.Namespace) -> int:
     try:
         with session:
             for event in session.generate(messages, params):
+                if last is None:
+                    watch.lap("template, prefill and first token")
                 last = event
                 if event.text:
                     pieces.append(event.text)
@@ -131,17 +157,24 @@ def handle(args: argparse.Namespace) -> int:
                         sys.stdout.flush()
     except KeyboardInterrupt:
         code = 130
+    watch.lap("rest of the answer")
     finish = "cancelled" if code else (last.finish_reason if last else "cancelled")
     stats = last.stats if last else None
     if args.json:
         out = {"text": "".join(pieces), "finish_reason": finish, "backend": session.plan.backend,
                "policy": str(session.plan.policy), "exact": session.plan.exact,
                "model": session.spec.name, "kv_layout": session.plan.kv_layout,
-               "planned_kv_bytes": session.plan.kv_bytes, "stats": stats.to_dict() if stats else None}
+               "planned_kv_bytes": session.plan.kv_bytes, "context": session.plan.context,
+               "allocated_context": session.plan.allocated_context, "allocated_kv_bytes": session.plan.allocated_bytes,
+               "stats": stats.to_dict() if stats else None}
+        if args.timings:
+            out["timings"] = {name: round(seconds, 4) for name, seconds in watch.stages.items()}
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
         if stats is not None:
-            print(stats_line(stats, session.plan.exact, finish), file=sys.stderr)
+            print(stats_line(stats, session.plan, finish), file=sys.stderr)
+        if args.timings:
+            print(watch.line(), file=sys.stderr)
     return code

@@ -14,6 +14,7 @@ from localctx.kvcache.policy import KVPolicy
 
 class LlamaCppBackend(Backend):
     name = "llamacpp"
+    kv_cell_tokens = 256  # llama.cpp pads a context to 256 cells (allocation.py)
 
     def unavailable_reason(self) -> str | None:
         from localctx.backends.llamacpp import guard

@@ -14,7 +14,6 @@ falls back to the torch backend with a notice; ``--backend llamacpp`` refuses wi
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import platform
@@ -75,6 +74,8 @@ def default_probe_command() -> list[str] | None:
 
 
 def _fix() -> str:
+    import importlib.metadata  # only on a failure: its import costs start-up time
+
     try:
         version = importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:

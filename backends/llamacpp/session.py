@@ -14,19 +14,18 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
 from localctx.backends.generation import speculation
-from localctx.backends.llamacpp import cache_reuse, grammar, shift
+from localctx.backends.llamacpp import cache_reuse, grow, shift
 from localctx.backends.llamacpp import prompt_cache as llama_prompt_cache
 from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
-from localctx.backends.llamacpp.batch import llama_seed
 from localctx.backends.models.spec_reader import read_spec
-from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.kvcache import prompt_cache
@@ -135,7 +134,10 @@ class LlamaCppSession(Session):
         try:
             with quiet_stderr(log):
                 n_threads = threads or default_threads()
-                self.llm = Llama(model_path=str(ref.path), n_ctx=own_context or self.settings.n_ctx, n_threads=n_threads,
+                # the plan's allocation (a context that grows, grow.py), or a fixed one a server's slots share
+                self._fixed_context = own_context is not None or policy.evicts
+                n_ctx = own_context or min(self.settings.n_ctx, plan.allocated_context)
+                self.llm = Llama(model_path=str(ref.path), n_ctx=n_ctx, n_threads=n_threads,
                                  n_threads_batch=n_threads, n_batch=512, n_ubatch=N_UBATCH, type_k=type_k,
                                  type_v=type_v, flash_attn=self.settings.flash_attn,
                                  swa_full=self.settings.swa_full, verbose=True)  # the log, into ``log``
@@ -145,10 +147,11 @@ class LlamaCppSession(Session):
             set_llama_log(False)
             raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
                             "architecture this llama-cpp-python supports, or update it") from None
-        meta = self.llm.metadata
-        source = meta.get("tokenizer.chat_template")
+        t0 = time.perf_counter()
+        source = self.llm.metadata.get("tokenizer.chat_template")
         self.template = ChatTemplate(gguf_template_source(source), bos_token=self._piece(self.llm.token_bos()),
                                      eos_token=self._piece(self.llm.token_eos()))
+        self.load_parts = {"template": time.perf_counter() - t0}
         self.eog = EndOfGeneration(self.llm)  # ``token in session.eog``: the model's end-of-generation tokens
         self._shift = shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
@@ -180,6 +183,20 @@ class LlamaCppSession(Session):
 
     def held_bytes(self, n_tokens: int) -> int:
         return held_bytes(self.spec, self.settings.type_k, self.settings.type_v, n_tokens)
+
+    def allocated_bytes(self, n_ctx: int) -> int:
+        """KV bytes llama.cpp allocates for a context of ``n_ctx`` cells in this session's settings."""
+        return dataclasses.replace(self.settings, n_ctx=n_ctx).cache().bytes(self.spec)
+
+    def fit(self, needed: int) -> None:
+        """Grows the context to hold ``needed`` tokens (at least doubling, at most the plan's context), its
+        cells moved into the larger one (grow.py); the plan then says what is allocated."""
+        have, most = int(self.llm.n_ctx()), self.settings.n_ctx
+        if self._fixed_context or needed <= have or have >= most:
+            return
+        n = grow.next_size(have, needed, most)
+        grow.grow_context(self.llm, n)
+        self.plan.grow_to(n, self.allocated_bytes(n))
 
     def reset(self) -> None:
         self.llm.reset()
@@ -231,6 +248,8 @@ class LlamaCppSession(Session):
     def constraint_refusal(self, constraint: OutputConstraint) -> str | None:
         """llama.cpp's grammar engine (grammar.py): None when the schema's grammar parses."""
         import llama_cpp
+
+        from localctx.backends.llamacpp import grammar  # structured output only: off run's start-up path
 
         return grammar.refusal(llama_cpp.llama_model_get_vocab(self.llm.model), constraint)
 
@@ -286,8 +305,14 @@ class LlamaCppSession(Session):
         self._disk_prefix(prompt_ids, clock)
         self._reuse_chunks(prompt_ids, clock)
         if params.seed is not None:
+            from localctx.backends.llamacpp.batch import llama_seed  # the batch decoder: not on the plain path
+
             self.llm.set_seed(llama_seed(params.seed))  # a 32-bit seed: folded, never truncated
-        rules = grammar.llama_grammar(params.constraint) if params.constraint else None
+        rules = None
+        if params.constraint:
+            from localctx.backends.llamacpp import grammar
+
+            rules = grammar.llama_grammar(params.constraint)
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
             yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature, rules)
             return "stop"
@@ -313,7 +338,10 @@ class LlamaCppSession(Session):
         self._disk_prefix(prompt_ids, clock)
         self._reuse_chunks(prompt_ids, clock)
         self._prefill(prompt_ids)
-        verifier = LlamaCppVerifier(self.llm, self.plan.context, self._shift)
+        from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits  # prompt lookup only
+
+        # a verify batch stays inside the context allocated now (fit() made room for the prompt and answer)
+        verifier = LlamaCppVerifier(self.llm, min(self.plan.context, int(self.llm.n_ctx())), self._shift)
         try:
             tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock)
             for token in tokens:
@@ -328,6 +356,7 @@ class LlamaCppSession(Session):
         ids = self.tokenize(prompt)
         params = with_template_stops(prompt, params, self.template.stops)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
+        self.fit(len(ids) + params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True,
                                         constrained=params.constraint is not None)

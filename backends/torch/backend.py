@@ -14,6 +14,7 @@ from localctx.kvcache.plan import Plan
 
 class TorchBackend(Backend):
     name = "torch"
+    kv_cell_tokens = 16  # the paged cache's block (kvcache/paged.py DEFAULT_BLOCK_SIZE; the planner imports no torch)
 
     def __init__(self, options: TorchOptions | None = None):
         self._options = options

@@ -141,21 +141,30 @@ def _policy_attention(device: str):
     return dispatch.policy_attention(device)
 
 
-def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> TorchSession:
-    c = loaded.model.config
-    policy = plan.policy
-    tokens = options.pool_tokens or plan.context
+def make_cache(model, policy, tokens: int, options: TorchOptions):
+    """The KV cache ``policy`` needs with room for ``tokens`` (a windowed one: its capacity, plus a group
+    and a chunk), with the kernels this device has."""
     if policy.capacity() is not None:  # a windowed cache holds up to its capacity, plus a group and a chunk
         tokens = max(tokens, policy.capacity() + policy.group_size + options.prefill_chunk)
+    c = model.config
     req = CacheRequest(c.n_layers, c.n_kv_heads, c.head_dim, capacity_tokens=tokens, dtype=options.dtype,
-                       device=options.device, block_size=options.block_size,
-                       layer_windows=loaded.model.layer_windows())
+                       device=options.device, block_size=options.block_size, layer_windows=model.layer_windows())
     kernels = CacheKernels(paged_attention=dispatch.paged_attention(options.device),
                            policy_attention=_policy_attention(options.device),
                            quantize_groups=dispatch.quantize_groups(options.device)
                            if dispatch.uses_kernels(options.device) else None)
-    cache = make_kv_cache(policy, req, loaded.model.make_rope(), kernels)  # paged full precision, or the policy cache
-    engine = Engine(loaded.model, cache, EngineOptions(prefill_chunk=options.prefill_chunk))
+    return make_kv_cache(policy, req, model.make_rope(), kernels)  # paged full precision, or the policy cache
+
+
+def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> TorchSession:
+    """A session with the plan's allocation (``options.pool_tokens`` where set); a session whose plan
+    allocates less than its context grows its cache up to it (TorchSession.fit)."""
+    model, policy = loaded.model, plan.policy
+    cache = make_cache(model, policy, options.pool_tokens or plan.allocated_context, options)
+    engine = Engine(model, cache, EngineOptions(prefill_chunk=options.prefill_chunk))
     elem_bytes = torch.empty((), dtype=options.dtype).element_size()
-    spec = dataclasses.replace(loaded.spec, kv_elem_bytes=elem_bytes, weight_bytes=loaded.model.weight_bytes())
-    return TorchSession(engine, loaded.tokenizer, spec, plan, options)
+    spec = dataclasses.replace(loaded.spec, kv_elem_bytes=elem_bytes, weight_bytes=model.weight_bytes())
+    session = TorchSession(engine, loaded.tokenizer, spec, plan, options)
+    if options.pool_tokens is None and not policy.evicts:
+        session.resize = lambda tokens: make_cache(model, policy, tokens, options)
+    return session

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -22,13 +22,21 @@ from localctx.backends.torch.sampling import Sampler
 from localctx.backends.torch import prompt_cache as torch_prompt_cache
 from localctx.backends.torch.speculate import TorchVerifier
 from localctx.backends.torch.tokenizer import TextTokenizer
-from localctx.kvcache import prompt_cache
+from localctx.kvcache import cost, prompt_cache
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.paged import PagedKVCache
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.prompt_cache import PromptCache
 from localctx.kvcache.model_spec import ModelSpec
 
 CONVERSATION = 0
+
+
+def export_conversation(cache, n_tokens: int) -> dict[str, torch.Tensor]:
+    """The conversation's K/V as the cache's import_sequence takes it (a policy cache exports all it holds)."""
+    if isinstance(cache, PagedKVCache):
+        return cache.export_sequence(CONVERSATION, n_tokens)
+    return cache.export_sequence(CONVERSATION)
 
 
 class TorchSession(Session):
@@ -44,6 +52,8 @@ class TorchSession(Session):
         self.plan = plan
         self.template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_text, tokenizer.eos_text)
         self.history: list[int] = []  # tokens held in the conversation's cache, oldest first
+        # a cache of room for n tokens, where the plan lets this session grow (loading.build_session)
+        self.resize: Callable[[int], object] | None = None
         self.engine_lock = threading.Lock()  # held while the engine runs (serving.SlotBatcher holds it too)
 
     # -- prompts --------------------------------------------------------------------------
@@ -86,6 +96,23 @@ class TorchSession(Session):
                 return 0, 0, 0
             return cache.kv_bytes(seq_id), cache.kv_tokens(seq_id), 0
         return KVProbe(read)
+
+    def fit(self, needed: int) -> None:
+        """Grows the cache to hold ``needed`` tokens (at least doubling, in whole blocks, at most the plan's
+        context): a larger cache is made and the conversation's K/V moved into it; the plan then says what
+        is allocated."""
+        cache = self.engine.cache
+        have, most = cache.pool.capacity_tokens, self.plan.context
+        if self.resize is None or needed <= have or have >= most:
+            return
+        block = cache.pool.block_size
+        n = min(most, max(2 * have, -(-needed // block) * block))
+        grown = self.resize(n)
+        if cache.has(CONVERSATION) and self.history:
+            with self.engine_lock:
+                grown.import_sequence(CONVERSATION, export_conversation(cache, len(self.history)))
+        self.engine.cache = grown
+        self.plan.grow_to(n, cost.max_kv_bytes(self.spec, self.plan.policy, n))
 
     def reset(self) -> None:
         if self.engine.cache is not None and self.engine.cache.has(CONVERSATION):
@@ -134,6 +161,7 @@ class TorchSession(Session):
                  cancel: threading.Event | None = None) -> Iterator[GenerationEvent]:
         ids = self.tokenize(prompt)
         params = self.capped(len(ids), with_template_stops(prompt, params, self.template.stops))
+        self.fit(len(ids) + params.max_tokens)
         cache = self.engine.cache
         if not cache.has(CONVERSATION):
             cache.add_sequence(CONVERSATION)
@@ -169,7 +197,8 @@ class TorchSession(Session):
         def drafted_tokens() -> Iterator[int]:
             with self.engine_lock:
                 first = prefill().float().cpu().numpy()
-                limit = None if self.plan.policy.evicts else self.plan.context
+                # a verify step stays inside the cache allocated now (fit() made room for the prompt and answer)
+                limit = None if self.plan.policy.evicts else min(self.plan.context, cache.pool.capacity_tokens)
                 verifier = TorchVerifier(self.engine, CONVERSATION, self.history, limit)
                 yield from speculation.speculative_tokens(verifier, ids, first, params, clock)
 

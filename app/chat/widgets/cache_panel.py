@@ -90,7 +90,9 @@ class CachePanel(VerticalScroll):
         self._put("policy", Text.assemble((f.policy + " ", "bold"), badge))
         self._put("policy-detail", f.facts.plan.kv_layout.split(": ", 1)[-1])
         self._put("kv-bar", bar(f.kv_bytes, f.kv_budget))
-        self._put("kv", f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_budget)} planned")
+        self._put("kv", f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_budget)} planned" if f.kv_allocated >= f.kv_budget
+                  else f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_allocated)} allocated, "
+                       f"{format_bytes(f.kv_budget)} planned")
         self._put("kv-detail", self._kv_detail(f))
         self._put("context-bar", bar(f.context_used, f.context_budget))
         self._put("context", f"{f.context_used:,} of {f.context_budget:,} tokens")

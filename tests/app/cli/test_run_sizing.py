@@ -1,0 +1,53 @@
+"""`localctx run` allocates the KV its request needs (prompt + --max-tokens, in llama.cpp's 256-cell
+steps) unless --context asks for more, says so beside the plan's maximum (--json, the stats line),
+and --timings says where its start-up time went."""
+import json
+
+import pytest
+from gguf_tiny import ARCHS, write
+
+pytest.importorskip("llama_cpp")
+
+from localctx.backends.llamacpp.allocation import LlamaCppCache  # noqa: E402
+from localctx.backends.models.spec_reader import gguf_spec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("run-sizing") / "llama.gguf", ARCHS["llama"])
+
+
+def run_json(cli, tiny, *extra):
+    res = cli("run", "-m", str(tiny), "--backend", "llamacpp", "--max-tokens", "4", "--json", *extra, "hello")
+    assert res.code == 0, res.err
+    return json.loads(res.out)
+
+
+def test_run_allocates_the_request_and_reports_the_maximum(cli, tiny):
+    spec = gguf_spec(tiny)
+    out = run_json(cli, tiny)
+    assert out["context"] == spec.context_length > 256
+    assert out["allocated_context"] == 256  # 5 bytes + 128 template tokens + 4, in one 256-cell step
+    assert out["allocated_kv_bytes"] == LlamaCppCache(256).bytes(spec)
+    assert out["planned_kv_bytes"] == LlamaCppCache(spec.context_length).bytes(spec) > out["allocated_kv_bytes"]
+    assert out["stats"]["generated_tokens"] >= 1
+
+
+def test_a_larger_context_asked_for_is_allocated_whole(cli, tiny):
+    spec = gguf_spec(tiny)
+    out = run_json(cli, tiny, "--context", "1000")
+    assert out["context"] == out["allocated_context"] == 1000
+    assert out["allocated_kv_bytes"] == out["planned_kv_bytes"] == LlamaCppCache(1000).bytes(spec)
+
+
+def test_stats_line_and_timings(cli, tiny):
+    res = cli("run", "-m", str(tiny), "--backend", "llamacpp", "--max-tokens", "2", "--timings", "hello")
+    assert res.code == 0, res.err
+    stats, timings = res.err.strip().splitlines()[-2:]
+    assert "allocated (256 tokens;" in stats and f"at {gguf_spec(tiny).context_length:,})" in stats
+    assert timings.startswith("[timings (s): interpreter and imports ")
+    for stage in ("header", "machine and backend profile", "plan", "load", "template", "template, prefill and first token"):
+        assert f"{stage} " in timings
+    out = run_json(cli, tiny, "--timings")
+    assert {"header", "plan", "load", "template", "template, prefill and first token"} <= set(out["timings"])
+    assert all(seconds >= 0 for seconds in out["timings"].values())
