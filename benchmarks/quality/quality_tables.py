@@ -40,7 +40,14 @@ def gemma3_gguf() -> str:
     return str(path)
 
 
+def qwen05_gguf() -> str:
+    """Qwen2.5-Coder 0.5B Instruct Q4_K_M (32K trained context): LOCALCTX_QWEN05_GGUF, or the copy in
+    /work/models on the machine these figures were measured on (not shipped; CI has no figure of it)."""
+    return os.environ.get("LOCALCTX_QWEN05_GGUF", "/work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+
+
 GEMMA3 = "{gemma3}"  # filled in by command(): assembling the file is only needed for its figures
+QWEN05 = "{qwen05}"
 LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
 TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
 SPLITS = ("k8v4", "kf16v8", "kf16v4")
@@ -104,8 +111,30 @@ COMMANDS: dict[str, list[str]] = {
 }
 
 
+# The long-context tasks (backends/evaluation/long_tasks.py) with perplexity over the first 2,048 tokens,
+# one sample per task and length (the 2-core machine was shared): each length × policy its own figure,
+# named tasks-MODEL-BACKEND-LENGTH-POLICY, so a stopped run keeps what it finished
+LONG_TASKS = ["--tasks", "niah_multikey,niah_multivalue,vt,cwe", "--samples", "1", "--no-needle"]
+TASK_MODELS = {"smollm2": [], "gemma3": ["-m", GEMMA3], "qwen05": ["-m", QWEN05]}
+TASK_POLICIES = {"llamacpp": ("fp16", "int8", "k8v4", "kf16v4", "int4"),
+                 "torch": ("fp16", "int8", "int4", "int4+res128", "fp16+sink4+win1024")}
+TASK_LENGTHS = (2048, 4096)
+
+
+def task_figure(model: str, backend: str, length: int, policy: str) -> list[str]:
+    lead = LLAMACPP if backend == "llamacpp" else []
+    ppl = ["--tokens", "2048"] if length == 2048 else ["--no-perplexity"]
+    kv = [] if policy == "fp16" else ["--kv", policy, "--no-baseline"]
+    return lead + TASK_MODELS[model] + LONG_TASKS + ["--lengths", str(length)] + ppl + kv
+
+
+COMMANDS |= {f"tasks-{m}-{b}-{n // 1024}k-{p}": task_figure(m, b, n, p)
+             for m in TASK_MODELS for b, policies in TASK_POLICIES.items() for n in TASK_LENGTHS for p in policies}
+
+
 def command(name: str) -> list[str]:
-    args = [gemma3_gguf() if a == GEMMA3 else a for a in COMMANDS[name]]
+    fill = {GEMMA3: gemma3_gguf, QWEN05: qwen05_gguf}
+    args = [fill[a]() if a in fill else a for a in COMMANDS[name]]
     return ["localctx", "eval", *args, "--json"]
 
 
@@ -116,13 +145,20 @@ def environment(name: str) -> dict[str, str]:
 
 def run(name: str) -> None:
     out = DOCS / f"quality-{name}.json"
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     result = subprocess.run(command(name), capture_output=True, text=True, env=os.environ | environment(name))
     if result.returncode != 0:
         sys.exit(f"{name}: localctx eval exited {result.returncode}: {result.stderr.strip()[-400:]}")
+    text = result.stdout
+    if name.startswith("tasks-"):  # the host's load beside the figures (the wall times depend on it)
+        data = json.loads(text)
+        data["host"] = {"finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cores": os.cpu_count(),
+                        "load_before": load_before, "load_after": os.getloadavg(),
+                        "wall_s": round(time.perf_counter() - started, 1)}
+        text = json.dumps(data, indent=2) + "\n"
     fd, tmp = tempfile.mkstemp(dir=DOCS, prefix=f".{out.name}.")
     with os.fdopen(fd, "w") as f:
-        f.write(result.stdout)
+        f.write(text)
     os.replace(tmp, out)
     print(f"{name}: {out.relative_to(DOCS.parents[2])} ({time.perf_counter() - started:.0f} s)", flush=True)
 
