@@ -208,13 +208,75 @@ def markdown_rows() -> list[str]:
     return lines
 
 
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M", "qwen05": "Qwen2.5-Coder 0.5B"}
+
+
+def tasks_markdown() -> list[str]:
+    """The long-context tasks table of docs/quality.md: one row per measured tasks-* figure, the fp16
+    row first in each (model, backend, length); each task's cell is its mean score over the samples
+    (RULER's: the fraction of expected strings in the answer) and its hits / samples."""
+    names = [n for n in COMMANDS if n.startswith("tasks-") and load(n) is not None]
+    lines = ["| model | backend | length | policy | K/V | perplexity (2,048) | vs fp16 | "
+             + " | ".join(TASK_NAMES) + " | prompt tokens | load | s | raw |",
+             "|---|---|---:|---|---|---:|---:|" + "---:|" * len(TASK_NAMES) + "---:|---|---:|---|"]
+    for name in names:
+        model, backend, length, policy = name.split("-", 4)[1:]
+        data, base = load(name), load(f"tasks-{model}-{backend}-2k-fp16")
+        row, tasks = data["policies"][0], data["tasks"][0]
+        cache = row.get("cache") or {}
+        ppl = row["perplexity"]
+        base_ppl = base["policies"][0]["perplexity"] if base else None
+        cells = [MODEL_NAMES[model], backend, f"{data['tasks_suite']['lengths'][0]:,}", policy,
+                 f"{cache['type_k']}/{cache['type_v']}" if cache else "torch",
+                 f"{ppl['ppl']:.4f}" if ppl else "—",
+                 f"{(ppl['ppl'] / base_ppl['ppl'] - 1) * 100:+.2f}%" if ppl and base_ppl and policy != "fp16" else "—"]
+        summary = {s["task"]: s for s in tasks["summary"]}
+        cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary else "—"
+                  for t in TASK_NAMES]
+        cells.append(f"{max(r['tokens'] for r in tasks['samples']):,}")
+        host = data.get("host", {})
+        cells.append(f"{host['load_before'][0]:.0f}–{host['load_after'][0]:.0f}" if host else "—")
+        cells.append(f"{host.get('wall_s', tasks['seconds']):.0f}")
+        cells.append(f"`results/quality/quality-{name}.json`")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+TASK_NAMES = ("niah_multikey", "niah_multivalue", "vt", "cwe")
+DOC = DOCS.parents[1] / "quality.md"
+DOC_START, DOC_END = "<!-- tasks-table: printed by python benchmarks/quality/quality_tables.py --tasks-markdown -->", \
+    "<!-- /tasks-table -->"
+
+
+def write_doc_table(table: str) -> None:
+    """docs/quality.md with ``table`` between its tasks-table markers (written atomically)."""
+    text = DOC.read_text()
+    head, rest = text.split(DOC_START, 1)
+    _, tail = rest.split(DOC_END, 1)
+    fd, tmp = tempfile.mkstemp(dir=DOC.parent, prefix=".quality.md.")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{head}{DOC_START}\n{table}\n{DOC_END}{tail}")
+    os.replace(tmp, DOC)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="which figures to regenerate")
     ap.add_argument("--all", action="store_true", help="every figure, in order")
     ap.add_argument("--list", action="store_true", help="print the names and their commands")
     ap.add_argument("--markdown", action="store_true", help="print the measured rows as a markdown table")
+    ap.add_argument("--tasks-markdown", action="store_true",
+                    help="print the long-context tasks table (docs/quality.md) from the tasks-* JSON")
+    ap.add_argument("--write-doc", action="store_true",
+                    help="with --tasks-markdown: replace the table between docs/quality.md's tasks-table markers")
     args = ap.parse_args(argv)
+    if args.tasks_markdown:
+        table = "\n".join(tasks_markdown())
+        if args.write_doc:
+            write_doc_table(table)
+        else:
+            print(table)
+        return 0
     if args.markdown:
         print("| figure | policy | K/V | perplexity | vs fp16 | per segment | KV held | passkey | s |")
         print("|---|---|---|---:|---:|---:|---:|---|---:|")
