@@ -130,6 +130,11 @@ def task_figure(model: str, backend: str, length: int, policy: str) -> list[str]
 
 COMMANDS |= {f"tasks-{m}-{b}-{n // 1024}k-{p}": task_figure(m, b, n, p)
              for m in TASK_MODELS for b, policies in TASK_POLICIES.items() for n in TASK_LENGTHS for p in policies}
+# perplexity alone (2,048 tokens, beside the tasks figure's fp16 perplexity of the same tokens): what fitted
+# the shared machine's time where the whole tasks figure did not
+COMMANDS |= {f"ppl2k-{m}-llamacpp-{p}": LLAMACPP + TASK_MODELS[m] + ["--tokens", "2048", "--no-needle", "--kv", p,
+                                                                    "--no-baseline"]
+             for m in ("qwen05",) for p in ("int4", "k8v4")}
 
 
 def command(name: str) -> list[str]:
@@ -150,7 +155,7 @@ def run(name: str) -> None:
     if result.returncode != 0:
         sys.exit(f"{name}: localctx eval exited {result.returncode}: {result.stderr.strip()[-400:]}")
     text = result.stdout
-    if name.startswith("tasks-"):  # the host's load beside the figures (the wall times depend on it)
+    if name.startswith(("tasks-", "ppl2k-")):  # the host's load beside the figures (the wall times depend on it)
         data = json.loads(text)
         data["host"] = {"finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cores": os.cpu_count(),
                         "load_before": load_before, "load_after": os.getloadavg(),
@@ -215,28 +220,32 @@ def tasks_markdown() -> list[str]:
     """The long-context tasks table of docs/quality.md: one row per measured tasks-* figure, the fp16
     row first in each (model, backend, length); each task's cell is its mean score over the samples
     (RULER's: the fraction of expected strings in the answer) and its hits / samples."""
-    names = [n for n in COMMANDS if n.startswith("tasks-") and load(n) is not None]
+    names = [n for n in COMMANDS if n.startswith(("tasks-", "ppl2k-")) and load(n) is not None]
     lines = ["| model | backend | length | policy | K/V | perplexity (2,048) | vs fp16 | "
              + " | ".join(TASK_NAMES) + " | prompt tokens | load | s | raw |",
              "|---|---|---:|---|---|---:|---:|" + "---:|" * len(TASK_NAMES) + "---:|---|---:|---|"]
     for name in names:
-        model, backend, length, policy = name.split("-", 4)[1:]
+        if name.startswith("ppl2k-"):
+            model, backend, policy = name.split("-", 3)[1:]
+        else:
+            model, backend, _, policy = name.split("-", 4)[1:]
         data, base = load(name), load(f"tasks-{model}-{backend}-2k-fp16")
-        row, tasks = data["policies"][0], data["tasks"][0]
+        row, tasks = data["policies"][0], (data.get("tasks") or [None])[0]
         cache = row.get("cache") or {}
         ppl = row["perplexity"]
         base_ppl = base["policies"][0]["perplexity"] if base else None
-        cells = [MODEL_NAMES[model], backend, f"{data['tasks_suite']['lengths'][0]:,}", policy,
+        length = data["tasks_suite"]["lengths"][0] if tasks else row["perplexity"]["scored"] + 1
+        cells = [MODEL_NAMES[model], backend, f"{length:,}", policy,
                  f"{cache['type_k']}/{cache['type_v']}" if cache else "torch",
                  f"{ppl['ppl']:.4f}" if ppl else "—",
                  f"{(ppl['ppl'] / base_ppl['ppl'] - 1) * 100:+.2f}%" if ppl and base_ppl and policy != "fp16" else "—"]
-        summary = {s["task"]: s for s in tasks["summary"]}
-        cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary else "—"
-                  for t in TASK_NAMES]
-        cells.append(f"{max(r['tokens'] for r in tasks['samples']):,}")
+        summary = {s["task"]: s for s in tasks["summary"]} if tasks else {}
+        cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary
+                  else "not run" for t in TASK_NAMES]
+        cells.append(f"{max(r['tokens'] for r in tasks['samples']):,}" if tasks else "—")
         host = data.get("host", {})
         cells.append(f"{host['load_before'][0]:.0f}–{host['load_after'][0]:.0f}" if host else "—")
-        cells.append(f"{host.get('wall_s', tasks['seconds']):.0f}")
+        cells.append(f"{host['wall_s']:.0f}" if host else "—")
         cells.append(f"`results/quality/quality-{name}.json`")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
