@@ -1,7 +1,8 @@
 """``localctx eval``: what a KV policy costs in quality on your model — perplexity of a long text
-streamed through the policy's cache, and passkey retrieval over context lengths × depths — each
-policy beside the full-precision cache of the same backend: torch (its policy caches) or llama.cpp
-(its own cache types, f16 / q8_0 / q4_0, and its context shift for a window)."""
+streamed through the policy's cache, passkey retrieval over context lengths × depths, and with
+``--tasks`` the long-context tasks of backends/evaluation/long_tasks.py — each policy beside the
+full-precision cache of the same backend: torch (its policy caches), llama.cpp (its own cache
+types, f16 / q8_0 / q4_0, and its context shift for a window) or MLX (its policy caches)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ from localctx.kvcache.policy import KVPolicy
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity and needle retrieval of KV policies against full precision",
+    p = sub.add_parser("eval", help="perplexity, needle retrieval and long-context tasks of KV policies against full precision",
                        description="Measure what each KV policy costs in quality, beside the full-precision cache.")
     add_model_option(p)
     p.add_argument("--backend", choices=("torch", "llamacpp", "mlx"), default="torch",
@@ -137,7 +138,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(ref.name, ppl, needle, reports, args.backend) | tasks_json(suite, reports), indent=2))
     else:
-        print(table(ref.name, ppl, needle, reports, args.backend))
+        if ppl or needle:
+            print(table(ref.name, ppl, needle, reports, args.backend))
         if suite:
             print(tasks_table(suite, reports))
     return 0
