@@ -135,6 +135,10 @@ COMMANDS |= {f"tasks-{m}-{b}-{n // 1024}k-{p}": task_figure(m, b, n, p)
 COMMANDS |= {f"ppl2k-{m}-llamacpp-{p}": LLAMACPP + TASK_MODELS[m] + ["--tokens", "2048", "--no-needle", "--kv", p,
                                                                     "--no-baseline"]
              for m in ("qwen05",) for p in ("int4", "k8v4")}
+# the two needle tasks alone at 2,048 tokens (no perplexity: the ppl2k figure has it), for the same reason
+COMMANDS |= {f"tasksniah-{m}-llamacpp-2k-{p}": LLAMACPP + TASK_MODELS[m] + [
+    "--tasks", "niah_multikey,niah_multivalue", "--samples", "1", "--no-needle", "--lengths", "2048",
+    "--no-perplexity", "--kv", p, "--no-baseline"] for m in ("qwen05",) for p in ("int4", "k8v4")}
 
 
 def command(name: str) -> list[str]:
@@ -155,7 +159,7 @@ def run(name: str) -> None:
     if result.returncode != 0:
         sys.exit(f"{name}: localctx eval exited {result.returncode}: {result.stderr.strip()[-400:]}")
     text = result.stdout
-    if name.startswith(("tasks-", "ppl2k-")):  # the host's load beside the figures (the wall times depend on it)
+    if name.startswith(("tasks-", "tasksniah-", "ppl2k-")):  # the host's load beside the figures (the wall times depend on it)
         data = json.loads(text)
         data["host"] = {"finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cores": os.cpu_count(),
                         "load_before": load_before, "load_after": os.getloadavg(),
@@ -216,37 +220,46 @@ def markdown_rows() -> list[str]:
 MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M", "qwen05": "Qwen2.5-Coder 0.5B"}
 
 
+def task_row_key(name: str) -> tuple[str, str, str] | None:
+    """(model, backend, policy) of a figure of the tasks table, or None: tasks-M-B-2k-P (the four tasks
+    and perplexity), tasksniah-M-B-2k-P (the two needles), ppl2k-M-B-P (perplexity alone)."""
+    kind = name.split("-", 1)[0]
+    if kind == "ppl2k":
+        return tuple(name.split("-", 3)[1:])
+    if kind in ("tasks", "tasksniah") and name.split("-")[3] == "2k":
+        model, backend, _, policy = name.split("-", 4)[1:]
+        return model, backend, policy
+    return None
+
+
 def tasks_markdown() -> list[str]:
-    """The long-context tasks table of docs/quality.md: one row per measured tasks-* figure, the fp16
-    row first in each (model, backend, length); each task's cell is its mean score over the samples
-    (RULER's: the fraction of expected strings in the answer) and its hits / samples."""
-    names = [n for n in COMMANDS if n.startswith(("tasks-", "ppl2k-")) and load(n) is not None]
-    lines = ["| model | backend | length | policy | K/V | perplexity (2,048) | vs fp16 | "
-             + " | ".join(TASK_NAMES) + " | prompt tokens | load | s | raw |",
-             "|---|---|---:|---|---|---:|---:|" + "---:|" * len(TASK_NAMES) + "---:|---|---:|---|"]
-    for name in names:
-        if name.startswith("ppl2k-"):
-            model, backend, policy = name.split("-", 3)[1:]
-        else:
-            model, backend, _, policy = name.split("-", 4)[1:]
-        data, base = load(name), load(f"tasks-{model}-{backend}-2k-fp16")
-        row, tasks = data["policies"][0], (data.get("tasks") or [None])[0]
-        cache = row.get("cache") or {}
-        ppl = row["perplexity"]
-        base_ppl = base["policies"][0]["perplexity"] if base else None
-        length = data["tasks_suite"]["lengths"][0] if tasks else row["perplexity"]["scored"] + 1
-        cells = [MODEL_NAMES[model], backend, f"{length:,}", policy,
-                 f"{cache['type_k']}/{cache['type_v']}" if cache else "torch",
+    """The long-context tasks table of docs/quality.md, at 2,048 tokens: one row per (model, backend,
+    policy) with a measured figure, from every figure of it (perplexity from one, tasks from another),
+    fp16 first; a task's cell is its mean score over the samples (RULER's: the fraction of expected
+    strings in the answer) and its hits / samples."""
+    rows: dict[tuple, list[tuple[str, dict]]] = {}
+    for name in COMMANDS:
+        key = task_row_key(name)
+        if key and (data := load(name)) is not None:
+            rows.setdefault(key, []).append((name, data))
+    lines = ["| model | backend | policy | K/V | perplexity (2,048 tokens) | vs fp16 | "
+             + " | ".join(f"{t} (2,048)" for t in TASK_NAMES) + " | load | s | raw |",
+             "|---|---|---|---|---:|---:|" + "---:|" * len(TASK_NAMES) + "---|---:|---|"]
+    for (model, backend, policy), figures in rows.items():
+        ppl = next((d["policies"][0]["perplexity"] for _, d in figures if d["policies"][0]["perplexity"]), None)
+        base = next((d["policies"][0]["perplexity"] for _, d in rows.get((model, backend, "fp16"), [])
+                     if d["policies"][0]["perplexity"]), None)
+        cache = figures[0][1]["policies"][0].get("cache") or {}
+        summary = {s["task"]: s for _, d in figures for t in d.get("tasks", []) for s in t["summary"]}
+        hosts = [d["host"] for _, d in figures if "host" in d]
+        cells = [MODEL_NAMES[model], backend, policy, f"{cache['type_k']}/{cache['type_v']}" if cache else "torch",
                  f"{ppl['ppl']:.4f}" if ppl else "—",
-                 f"{(ppl['ppl'] / base_ppl['ppl'] - 1) * 100:+.2f}%" if ppl and base_ppl and policy != "fp16" else "—"]
-        summary = {s["task"]: s for s in tasks["summary"]} if tasks else {}
+                 f"{(ppl['ppl'] / base['ppl'] - 1) * 100:+.2f}%" if ppl and base and policy != "fp16" else "—"]
         cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary
                   else "not run" for t in TASK_NAMES]
-        cells.append(f"{max(r['tokens'] for r in tasks['samples']):,}" if tasks else "—")
-        host = data.get("host", {})
-        cells.append(f"{host['load_before'][0]:.0f}–{host['load_after'][0]:.0f}" if host else "—")
-        cells.append(f"{host['wall_s']:.0f}" if host else "—")
-        cells.append(f"`results/quality/quality-{name}.json`")
+        cells.append(", ".join(f"{h['load_before'][0]:.0f}–{h['load_after'][0]:.0f}" for h in hosts) or "—")
+        cells.append(", ".join(f"{h['wall_s']:.0f}" for h in hosts) or "—")
+        cells.append(", ".join(f"`results/quality/quality-{n}.json`" for n, _ in figures))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
