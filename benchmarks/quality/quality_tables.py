@@ -135,6 +135,8 @@ COMMANDS |= {f"tasks-{m}-{b}-{n // 1024}k-{p}": task_figure(m, b, n, p)
 COMMANDS |= {f"ppl2k-{m}-llamacpp-{p}": LLAMACPP + TASK_MODELS[m] + ["--tokens", "2048", "--no-needle", "--kv", p,
                                                                     "--no-baseline"]
              for m in ("qwen05",) for p in ("int4", "k8v4")}
+COMMANDS |= {f"ppl2k-{m}-torch-{p}": TASK_MODELS[m] + ["--tokens", "2048", "--no-needle"]
+             + ([] if p == "fp16" else ["--kv", p, "--no-baseline"]) for m in ("qwen05",) for p in ("fp16", "int4")}
 # the two needle tasks alone at 2,048 tokens (no perplexity: the ppl2k figure has it), for the same reason
 COMMANDS |= {f"tasksniah-{m}-llamacpp-2k-{p}": LLAMACPP + TASK_MODELS[m] + [
     "--tasks", "niah_multikey,niah_multivalue", "--samples", "1", "--no-needle", "--lengths", "2048",
