@@ -134,7 +134,7 @@ COMMANDS |= {f"tasks-{m}-{b}-{n // 1024}k-{p}": task_figure(m, b, n, p)
 # the shared machine's time where the whole tasks figure did not
 COMMANDS |= {f"ppl2k-{m}-llamacpp-{p}": LLAMACPP + TASK_MODELS[m] + ["--tokens", "2048", "--no-needle", "--kv", p,
                                                                     "--no-baseline"]
-             for m in ("qwen05",) for p in ("int4", "k8v4")}
+             for m in ("qwen05",) for p in ("int8", "k8v4", "kf16v4", "int4")}
 COMMANDS |= {f"ppl2k-{m}-torch-{p}": TASK_MODELS[m] + ["--tokens", "2048", "--no-needle"]
              + ([] if p == "fp16" else ["--kv", p, "--no-baseline"]) for m in ("qwen05",) for p in ("fp16", "int4")}
 # the two needle tasks alone at 2,048 tokens (no perplexity: the ppl2k figure has it), for the same reason
