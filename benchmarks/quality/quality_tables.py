@@ -140,8 +140,8 @@ COMMANDS |= {f"ppl2k-{m}-torch-{p}": TASK_MODELS[m] + ["--tokens", "2048", "--no
 # the two needle tasks alone at 2,048 tokens (no perplexity: the ppl2k figure has it), for the same reason
 COMMANDS |= {f"tasksniah-{m}-{b}-2k-{p}": (LLAMACPP if b == "llamacpp" else []) + TASK_MODELS[m] + [
     "--tasks", "niah_multikey,niah_multivalue", "--samples", "1", "--no-needle", "--lengths", "2048",
-    "--no-perplexity", "--kv", p, "--no-baseline"] for m in ("qwen05",) for b in ("llamacpp", "torch")
-    for p in ("int4", "k8v4")}
+    "--no-perplexity"] + ([] if p == "fp16" else ["--kv", p, "--no-baseline"])
+    for m in ("qwen05",) for b in ("llamacpp", "torch") for p in ("fp16", "int4", "k8v4")}
 
 
 def command(name: str) -> list[str]:
