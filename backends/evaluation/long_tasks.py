@@ -77,8 +77,8 @@ def vocabulary() -> tuple[str, ...]:
 
 
 def _fit(tokenizer: Encoder, length: int, build: Callable[[int], str], units: int) -> tuple[str, list[int]]:
-    """The text ``build(n)`` with the most units ``n`` whose ids fit ``length``: start from the
-    estimate ``units``, then shrink by the measured excess until it fits."""
+    """The text ``build(n)`` and its ids for ``n`` = the estimate ``units``, shrunk by the measured
+    excess (and 0.5% more) until the ids fit ``length``; a prompt of one unit over it is refused."""
     n = max(1, units)
     while True:
         text = build(n)
