@@ -1,7 +1,8 @@
 """``localctx eval``: what a KV policy costs in quality on your model — perplexity of a long text
-streamed through the policy's cache, and passkey retrieval over context lengths × depths — each
-policy beside the full-precision cache of the same backend: torch (its policy caches) or llama.cpp
-(its own cache types, f16 / q8_0 / q4_0, and its context shift for a window)."""
+streamed through the policy's cache, passkey retrieval over context lengths × depths, and with
+``--tasks`` the long-context tasks of backends/evaluation/long_tasks.py — each policy beside the
+full-precision cache of the same backend: torch (its policy caches), llama.cpp (its own cache
+types, f16 / q8_0 / q4_0, and its context shift for a window) or MLX (its policy caches)."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +16,12 @@ from localctx.kvcache.policy import KVPolicy
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval", help="perplexity and needle retrieval of KV policies against full precision",
+    p = sub.add_parser("eval", help="perplexity, needle retrieval and long-context tasks of KV policies against full precision",
                        description="Measure what each KV policy costs in quality, beside the full-precision cache.")
     add_model_option(p)
-    p.add_argument("--backend", choices=("torch", "llamacpp"), default="torch",
-                   help="whose KV cache to measure: torch's policy caches (default) or llama.cpp's cache types")
+    p.add_argument("--backend", choices=("torch", "llamacpp", "mlx"), default="torch",
+                   help="whose KV cache to measure: torch's policy caches (default), llama.cpp's cache types, "
+                        "or MLX's policy caches")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="llama.cpp threads (default: the physical cores; torch reads LOCALCTX_TORCH_THREADS)")
     p.add_argument("--kv", action="append", default=[], metavar="POLICY",
@@ -33,6 +35,13 @@ def register(sub) -> None:
     p.add_argument("--needle-lengths", default="1024,2048,4096", metavar="L1,L2",
                    help="passkey prompt lengths in tokens (default 1024,2048,4096)")
     p.add_argument("--needle-depths", default="0.1,0.5,0.9", metavar="D1,D2", help="key depths in [0, 1]")
+    p.add_argument("--tasks", default="", metavar="T1,T2",
+                   help="also run long-context tasks at --lengths: niah_multikey, niah_multivalue, vt, cwe "
+                        "(RULER-style, generated from --seed)")
+    p.add_argument("--lengths", default="2048,4096", metavar="L1,L2",
+                   help="prompt lengths in tokens for --tasks (default 2048,4096)")
+    p.add_argument("--samples", type=int, default=1, metavar="N", help="samples per task and length (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="the seed --tasks' prompts are generated from (default 0)")
     p.add_argument("--no-perplexity", action="store_true", help="skip the perplexity run")
     p.add_argument("--no-needle", action="store_true", help="skip the passkey grid")
     p.add_argument("--no-baseline", action="store_true",
@@ -51,13 +60,13 @@ def _numbers(text: str, kind, what: str) -> tuple:
     return values
 
 
-def tasks_from(args: argparse.Namespace):
+def tasks_from(args: argparse.Namespace, long_tasks: bool = False):
     from localctx.backends.evaluation.tasks import NeedleTask, PerplexityTask
 
     if args.chunk < 1:
         raise UserError(f"--chunk {args.chunk} must be at least 1")
-    if args.no_perplexity and args.no_needle:
-        raise UserError("--no-perplexity and --no-needle leave nothing to measure; drop one")
+    if args.no_perplexity and args.no_needle and not long_tasks:
+        raise UserError("--no-perplexity and --no-needle leave nothing to measure; drop one or give --tasks")
     ppl = None
     if not args.no_perplexity:
         if args.tokens < 64:
@@ -77,11 +86,30 @@ def tasks_from(args: argparse.Namespace):
     return ppl, needle
 
 
+def suite_from(args: argparse.Namespace):
+    """The long-context tasks of --tasks, or None."""
+    from localctx.backends.evaluation.long_tasks import TASKS, TaskSuite
+
+    names = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    if not names:
+        return None
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise UserError(f"--tasks {','.join(unknown)}: unknown; choose from {','.join(TASKS)}")
+    lengths = _numbers(args.lengths, int, "--lengths")
+    if min(lengths) < 256:
+        raise UserError("--lengths must be at least 256 tokens each")
+    if args.samples < 1:
+        raise UserError(f"--samples {args.samples} must be at least 1")
+    return TaskSuite(names, lengths, args.samples, args.seed, max(1, args.chunk))
+
+
 def handle(args: argparse.Namespace) -> int:
     policies = [KVPolicy.parse(text) for text in args.kv]
     if args.no_baseline and not policies:
         raise UserError("--no-baseline with no --kv leaves nothing to measure; give --kv POLICY")
-    ppl, needle = tasks_from(args)
+    suite = suite_from(args)
+    ppl, needle = tasks_from(args, suite is not None)
     if args.threads is not None and (args.backend != "llamacpp" or args.threads < 1):
         raise UserError(f"--threads {args.threads} needs --backend llamacpp and at least 1 "
                         "(torch's threads: LOCALCTX_TORCH_THREADS)")
@@ -90,6 +118,14 @@ def handle(args: argparse.Namespace) -> int:
 
         ref, _ = resolve_model(SessionRequest(model=args.model, backend="llamacpp"))
         evaluator = LlamaCppEvaluator(ref, threads=args.threads)
+    elif args.backend == "mlx":
+        from localctx.backends.registry import get
+
+        get("mlx")  # one line naming what to install where MLX is missing, before importing it
+        from localctx.backends.mlx.evaluate import MLXEvaluator, evaluate
+
+        ref, _ = resolve_model(SessionRequest(model=args.model, backend="mlx"))
+        evaluator = MLXEvaluator(ref)
     else:
         from localctx.backends.torch.loading import TorchOptions, load_model
         from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
@@ -98,11 +134,14 @@ def handle(args: argparse.Namespace) -> int:
         loaded = load_model(ref, TorchOptions.from_env())
         evaluator = PolicyEvaluator(loaded.model, loaded.tokenizer)
     progress = None if args.json else (lambda r: print(f"  measured {progress_line(r)}", file=sys.stderr, flush=True))
-    reports = evaluate(evaluator, policies, ppl, needle, progress, baseline=not args.no_baseline)
+    reports = evaluate(evaluator, policies, ppl, needle, progress, baseline=not args.no_baseline, suite=suite)
     if args.json:
-        print(json.dumps(as_json(ref.name, ppl, needle, reports, args.backend), indent=2))
+        print(json.dumps(as_json(ref.name, ppl, needle, reports, args.backend) | tasks_json(suite, reports), indent=2))
     else:
-        print(table(ref.name, ppl, needle, reports, args.backend))
+        if ppl or needle:
+            print(table(ref.name, ppl, needle, reports, args.backend))
+        if suite:
+            print(tasks_table(suite, reports))
     return 0
 
 
@@ -112,7 +151,33 @@ def progress_line(r) -> str:
         parts.append(f"ppl {r.perplexity.ppl:.3f} ({r.perplexity.seconds:.0f} s)")
     if r.needle:
         parts.append(f"passkey {r.needle.hits}/{r.needle.total} ({r.needle.seconds:.0f} s)")
+    if r.long_tasks:
+        hits = sum(row["hit"] for row in r.long_tasks.rows)
+        parts.append(f"tasks {hits}/{len(r.long_tasks.rows)} ({r.long_tasks.seconds:.0f} s)")
     return ", ".join(parts)
+
+
+def tasks_json(suite, reports) -> dict:
+    """--tasks in --json: the suite, and per policy the summary per task and length and every sample."""
+    from dataclasses import asdict
+
+    if not suite:
+        return {}
+    return {"tasks_suite": asdict(suite),
+            "tasks": [{"policy": r.policy, "exact": r.exact, "summary": r.long_tasks.summary(),
+                       "samples": r.long_tasks.rows, "seconds": r.long_tasks.seconds} for r in reports]}
+
+
+def tasks_table(suite, reports) -> str:
+    """One line per task and length: each policy's hits / samples and mean score, the baseline first."""
+    head = f"{'task':<16} {'length':>7} " + " ".join(f"{r.policy:>22}" for r in reports)
+    lines = [f"long-context tasks: {suite.samples} sample(s) each, seed {suite.seed}; hits/samples (mean score)",
+             head, "-" * len(head)]
+    summaries = [{(s["task"], s["length"]): s for s in r.long_tasks.summary()} for r in reports]
+    for key in summaries[0]:
+        cells = [f"{s[key]['hits']}/{s[key]['samples']} ({s[key]['score']:.2f})" for s in summaries]
+        lines.append(f"{key[0]:<16} {key[1]:>7} " + " ".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
 
 
 def as_json(model: str, ppl, needle, reports, backend: str = "torch") -> dict:

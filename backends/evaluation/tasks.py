@@ -2,7 +2,8 @@
 
 - perplexity of a long text processed *through* the policy's cache, chunk by chunk, the way
   decoding sees it; each chunk's next-token log-probs are scored against the cache as it stands;
-- passkey retrieval over a grid of context lengths × depths, greedy, scored by exact match.
+- passkey retrieval over a grid of context lengths × depths, greedy, scored by exact match;
+- the RULER-style long-context tasks of backends/evaluation/long_tasks.py (``--tasks``).
 
 The text, the prompts and the token ids come from here, so a backend's rows differ from another's
 only by what the cache does (both tokenizers give llama.cpp's ids for a GGUF)."""
@@ -11,9 +12,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from localctx.kvcache.policy import KVPolicy
+
+if TYPE_CHECKING:
+    from localctx.backends.evaluation.long_tasks import TaskResults
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -77,6 +81,7 @@ class PolicyReport:
     exact: bool
     perplexity: PerplexityResult | None = None
     needle: NeedleResult | None = None
+    long_tasks: "TaskResults | None" = None  # backends/evaluation/long_tasks.py
     backend_settings: dict = field(default_factory=dict)  # e.g. llama.cpp's cache types
 
 

@@ -8,7 +8,8 @@ llama.cpp's own KV cache, as a llama.cpp session holds it (backends/llamacpp/ses
   backend's reason;
 - perplexity: the text is decoded ``chunk`` tokens per batch with logits for every position of
   the batch, and each next-token log-prob is scored against the cache as it stands;
-- passkey: the prompt streams in ``chunk``-token batches, then greedy decoding, exact match.
+- passkey and the long-context tasks (backends/evaluation/long_tasks.py): the prompt streams in
+  ``chunk``-token batches, then greedy decoding, exact match.
 
 KV bytes held are llama.cpp's row sizes for the tokens in its cache (``allocation.held_bytes``);
 the allocation (cells padded to 256) is reported beside them."""
@@ -19,6 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
+from localctx.backends.evaluation import long_tasks
+from localctx.backends.evaluation.long_tasks import TaskSuite
 from localctx.backends.evaluation.tasks import (NeedleResult, NeedleTask, PerplexityResult, PerplexityTask, PolicyReport,
                                           needle_grid, passkey_cells, perplexity_result, text_tokens,
                                           with_baseline)
@@ -165,8 +168,10 @@ class LlamaCppEvaluator:
 
     # -- one policy ------------------------------------------------------------------------------
     def report(self, policy: KVPolicy, ids: Sequence[int], ppl: PerplexityTask | None, cells: list,
-               needle: NeedleTask | None) -> PolicyReport:
-        context = max([len(ids)] + [len(c[3]) + needle.answer_tokens for c in cells])
+               needle: NeedleTask | None, suite: TaskSuite | None = None,
+               samples: Sequence[long_tasks.Sample] = ()) -> PolicyReport:
+        context = max([len(ids)] + [len(c[3]) + needle.answer_tokens for c in cells]
+                      + [len(s.ids) + s.answer_tokens for s in samples])
         session = self.session(policy, context)
         try:
             s = session.settings
@@ -178,21 +183,26 @@ class LlamaCppEvaluator:
                 report.perplexity = self.perplexity(session, ids, ppl)
             if needle:
                 report.needle = self.needle(session, cells, needle)
+            if suite:
+                report.long_tasks = long_tasks.run(list(samples),
+                                                   lambda p, n: self._greedy(session, p, n, suite.chunk))
             return report
         finally:
             session.close()
 
 
 def evaluate(evaluator: LlamaCppEvaluator, policies: Sequence[KVPolicy], ppl: PerplexityTask | None,
-             needle: NeedleTask | None, progress=None, baseline: bool = True) -> list[PolicyReport]:
+             needle: NeedleTask | None, progress=None, baseline: bool = True,
+             suite: TaskSuite | None = None) -> list[PolicyReport]:
     ordered = with_baseline(policies, baseline)
     for policy in ordered:  # refuse before anything runs
         evaluator.refuse(policy)
     ids = text_tokens(evaluator.tokenizer, ppl.n_tokens) if ppl else []
     cells = list(passkey_cells(evaluator.tokenizer, needle)) if needle else []
+    samples = list(long_tasks.samples(evaluator.tokenizer, suite)) if suite else []
     reports = []
     for policy in ordered:
-        report = evaluator.report(policy, ids, ppl, cells, needle)
+        report = evaluator.report(policy, ids, ppl, cells, needle, suite, samples)
         if progress:
             progress(report)
         reports.append(report)

@@ -3,7 +3,8 @@
 - perplexity of a long text processed *through* the policy's cache, chunk by chunk, the way
   decoding sees it (tokens are quantized and evicted as they stream in; each chunk's
   next-token log-probs are scored against the cache as it stands);
-- passkey retrieval over a grid of context lengths × depths, greedy, scored by exact match.
+- passkey retrieval over a grid of context lengths × depths, greedy, scored by exact match;
+- the long-context tasks of backends/evaluation/long_tasks.py, greedy, scored by exact match.
 
 Each policy runs on a fresh cache of the same model; the caller puts the full-precision cache
 beside it."""
@@ -15,7 +16,8 @@ from typing import Sequence
 
 import torch
 
-from localctx.backends.evaluation import tasks
+from localctx.backends.evaluation import long_tasks, tasks
+from localctx.backends.evaluation.long_tasks import TaskSuite
 from localctx.backends.evaluation.tasks import (FILLER, INTRO, QUESTION, NeedleResult, NeedleTask,  # noqa: F401
                                           PerplexityResult, PerplexityTask, PolicyReport, long_text, text_tokens,
                                           with_baseline)
@@ -92,8 +94,10 @@ class PolicyEvaluator:
 
 
 def evaluate(evaluator: PolicyEvaluator, policies: Sequence[KVPolicy], ppl: PerplexityTask | None,
-             needle: NeedleTask | None, progress=None, baseline: bool = True) -> list[PolicyReport]:
+             needle: NeedleTask | None, progress=None, baseline: bool = True,
+             suite: TaskSuite | None = None) -> list[PolicyReport]:
     ids = text_tokens(evaluator.tokenizer, ppl.n_tokens) if ppl else []
+    samples = list(long_tasks.samples(evaluator.tokenizer, suite)) if suite else []
     reports = []
     for policy in with_baseline(policies, baseline):
         report = PolicyReport(str(policy), policy.exact)
@@ -101,6 +105,8 @@ def evaluate(evaluator: PolicyEvaluator, policies: Sequence[KVPolicy], ppl: Perp
             report.perplexity = evaluator.perplexity(policy, ids, ppl)
         if needle:
             report.needle = evaluator.needle(policy, needle)
+        if suite:
+            report.long_tasks = long_tasks.run(samples, lambda p, n: evaluator._greedy(policy, p, n, suite.chunk))
         if progress:
             progress(report)
         reports.append(report)

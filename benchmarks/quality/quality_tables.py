@@ -40,7 +40,14 @@ def gemma3_gguf() -> str:
     return str(path)
 
 
+def qwen05_gguf() -> str:
+    """Qwen2.5-Coder 0.5B Instruct Q4_K_M (32K trained context): LOCALCTX_QWEN05_GGUF, or the copy in
+    /work/models on the machine these figures were measured on (not shipped; CI has no figure of it)."""
+    return os.environ.get("LOCALCTX_QWEN05_GGUF", "/work/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+
+
 GEMMA3 = "{gemma3}"  # filled in by command(): assembling the file is only needed for its figures
+QWEN05 = "{qwen05}"
 LLAMACPP = ["--backend", "llamacpp", "--threads", "1"]
 TORCH_ENV = {"OMP_NUM_THREADS": "1", "LOCALCTX_TORCH_THREADS": "1", "LOCALCTX_TORCH_DEVICE": "cpu"}
 SPLITS = ("k8v4", "kf16v8", "kf16v4")
@@ -104,8 +111,42 @@ COMMANDS: dict[str, list[str]] = {
 }
 
 
+# The long-context tasks (backends/evaluation/long_tasks.py) with perplexity over the first 2,048 tokens,
+# one sample per task and length (the 2-core machine was shared): each length × policy its own figure,
+# named tasks-MODEL-BACKEND-LENGTH-POLICY, so a stopped run keeps what it finished
+LONG_TASKS = ["--tasks", "niah_multikey,niah_multivalue,vt,cwe", "--samples", "1", "--no-needle"]
+TASK_MODELS = {"smollm2": [], "gemma3": ["-m", GEMMA3], "qwen05": ["-m", QWEN05]}
+TASK_POLICIES = {"llamacpp": ("fp16", "int8", "k8v4", "kf16v4", "int4"),
+                 "torch": ("fp16", "int8", "int4", "int4+res128", "fp16+sink4+win1024")}
+TASK_LENGTHS = (2048, 4096)
+
+
+def task_figure(model: str, backend: str, length: int, policy: str) -> list[str]:
+    lead = LLAMACPP if backend == "llamacpp" else []
+    ppl = ["--tokens", "2048"] if length == 2048 else ["--no-perplexity"]
+    kv = [] if policy == "fp16" else ["--kv", policy, "--no-baseline"]
+    return lead + TASK_MODELS[model] + LONG_TASKS + ["--lengths", str(length)] + ppl + kv
+
+
+COMMANDS |= {f"tasks-{m}-{b}-{n // 1024}k-{p}": task_figure(m, b, n, p)
+             for m in TASK_MODELS for b, policies in TASK_POLICIES.items() for n in TASK_LENGTHS for p in policies}
+# perplexity alone (2,048 tokens, beside the tasks figure's fp16 perplexity of the same tokens): what fitted
+# the shared machine's time where the whole tasks figure did not
+COMMANDS |= {f"ppl2k-{m}-llamacpp-{p}": LLAMACPP + TASK_MODELS[m] + ["--tokens", "2048", "--no-needle", "--kv", p,
+                                                                    "--no-baseline"]
+             for m in ("qwen05",) for p in ("int8", "k8v4", "kf16v4", "int4")}
+COMMANDS |= {f"ppl2k-{m}-torch-{p}": TASK_MODELS[m] + ["--tokens", "2048", "--no-needle"]
+             + ([] if p == "fp16" else ["--kv", p, "--no-baseline"]) for m in ("qwen05",) for p in ("fp16", "int4")}
+# the two needle tasks alone at 2,048 tokens (no perplexity: the ppl2k figure has it), for the same reason
+COMMANDS |= {f"tasksniah-{m}-{b}-2k-{p}": (LLAMACPP if b == "llamacpp" else []) + TASK_MODELS[m] + [
+    "--tasks", "niah_multikey,niah_multivalue", "--samples", "1", "--no-needle", "--lengths", "2048",
+    "--no-perplexity"] + ([] if p == "fp16" else ["--kv", p, "--no-baseline"])
+    for m in ("qwen05",) for b in ("llamacpp", "torch") for p in ("fp16", "int4", "k8v4")}
+
+
 def command(name: str) -> list[str]:
-    args = [gemma3_gguf() if a == GEMMA3 else a for a in COMMANDS[name]]
+    fill = {GEMMA3: gemma3_gguf, QWEN05: qwen05_gguf}
+    args = [fill[a]() if a in fill else a for a in COMMANDS[name]]
     return ["localctx", "eval", *args, "--json"]
 
 
@@ -116,13 +157,20 @@ def environment(name: str) -> dict[str, str]:
 
 def run(name: str) -> None:
     out = DOCS / f"quality-{name}.json"
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     result = subprocess.run(command(name), capture_output=True, text=True, env=os.environ | environment(name))
     if result.returncode != 0:
         sys.exit(f"{name}: localctx eval exited {result.returncode}: {result.stderr.strip()[-400:]}")
+    text = result.stdout
+    if name.startswith(("tasks-", "tasksniah-", "ppl2k-")):  # the host's load beside the figures (the wall times depend on it)
+        data = json.loads(text)
+        data["host"] = {"finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cores": os.cpu_count(),
+                        "load_before": load_before, "load_after": os.getloadavg(),
+                        "wall_s": round(time.perf_counter() - started, 1)}
+        text = json.dumps(data, indent=2) + "\n"
     fd, tmp = tempfile.mkstemp(dir=DOCS, prefix=f".{out.name}.")
     with os.fdopen(fd, "w") as f:
-        f.write(result.stdout)
+        f.write(text)
     os.replace(tmp, out)
     print(f"{name}: {out.relative_to(DOCS.parents[2])} ({time.perf_counter() - started:.0f} s)", flush=True)
 
@@ -172,13 +220,88 @@ def markdown_rows() -> list[str]:
     return lines
 
 
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M", "qwen05": "Qwen2.5-Coder 0.5B"}
+
+
+def task_row_key(name: str) -> tuple[str, str, str] | None:
+    """(model, backend, policy) of a figure of the tasks table, or None: tasks-M-B-2k-P (the four tasks
+    and perplexity), tasksniah-M-B-2k-P (the two needles), ppl2k-M-B-P (perplexity alone)."""
+    kind = name.split("-", 1)[0]
+    if kind == "ppl2k":
+        return tuple(name.split("-", 3)[1:])
+    if kind in ("tasks", "tasksniah") and name.split("-")[3] == "2k":
+        model, backend, _, policy = name.split("-", 4)[1:]
+        return model, backend, policy
+    return None
+
+
+def tasks_markdown() -> list[str]:
+    """The long-context tasks table of docs/quality.md, at 2,048 tokens: one row per (model, backend,
+    policy) with a measured figure, from every figure of it (perplexity from one, tasks from another),
+    fp16 first; a task's cell is its mean score over the samples (RULER's: the fraction of expected
+    strings in the answer) and its hits / samples."""
+    rows: dict[tuple, list[tuple[str, dict]]] = {}
+    for name in COMMANDS:
+        key = task_row_key(name)
+        if key and (data := load(name)) is not None:
+            rows.setdefault(key, []).append((name, data))
+    lines = ["| model | backend | policy | K/V | perplexity (2,048 tokens) | vs fp16 | "
+             + " | ".join(f"{t} (2,048)" for t in TASK_NAMES) + " | load | s | raw |",
+             "|---|---|---|---|---:|---:|" + "---:|" * len(TASK_NAMES) + "---|---:|---|"]
+    for (model, backend, policy), figures in rows.items():
+        ppl = next((d["policies"][0]["perplexity"] for _, d in figures if d["policies"][0]["perplexity"]), None)
+        base = next((d["policies"][0]["perplexity"] for _, d in rows.get((model, backend, "fp16"), [])
+                     if d["policies"][0]["perplexity"]), None)
+        cache = figures[0][1]["policies"][0].get("cache") or {}
+        summary = {s["task"]: s for _, d in figures for t in d.get("tasks", []) for s in t["summary"]}
+        hosts = [d["host"] for _, d in figures if "host" in d]
+        cells = [MODEL_NAMES[model], backend, policy, f"{cache['type_k']}/{cache['type_v']}" if cache else "torch",
+                 f"{ppl['ppl']:.4f}" if ppl else "—",
+                 f"{(ppl['ppl'] / base['ppl'] - 1) * 100:+.2f}%" if ppl and base and policy != "fp16" else "—"]
+        cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary
+                  else "not run" for t in TASK_NAMES]
+        cells.append(", ".join(f"{h['load_before'][0]:.0f}–{h['load_after'][0]:.0f}" for h in hosts) or "—")
+        cells.append(", ".join(f"{h['wall_s']:.0f}" for h in hosts) or "—")
+        cells.append(", ".join(f"`results/quality/quality-{n}.json`" for n, _ in figures))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+TASK_NAMES = ("niah_multikey", "niah_multivalue", "vt", "cwe")
+DOC = DOCS.parents[1] / "quality.md"
+DOC_START, DOC_END = "<!-- tasks-table: printed by python benchmarks/quality/quality_tables.py --tasks-markdown -->", \
+    "<!-- /tasks-table -->"
+
+
+def write_doc_table(table: str) -> None:
+    """docs/quality.md with ``table`` between its tasks-table markers (written atomically)."""
+    text = DOC.read_text()
+    head, rest = text.split(DOC_START, 1)
+    _, tail = rest.split(DOC_END, 1)
+    fd, tmp = tempfile.mkstemp(dir=DOC.parent, prefix=".quality.md.")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{head}{DOC_START}\n{table}\n{DOC_END}{tail}")
+    os.replace(tmp, DOC)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="which figures to regenerate")
     ap.add_argument("--all", action="store_true", help="every figure, in order")
     ap.add_argument("--list", action="store_true", help="print the names and their commands")
     ap.add_argument("--markdown", action="store_true", help="print the measured rows as a markdown table")
+    ap.add_argument("--tasks-markdown", action="store_true",
+                    help="print the long-context tasks table (docs/quality.md) from the tasks-* JSON")
+    ap.add_argument("--write-doc", action="store_true",
+                    help="with --tasks-markdown: replace the table between docs/quality.md's tasks-table markers")
     args = ap.parse_args(argv)
+    if args.tasks_markdown:
+        table = "\n".join(tasks_markdown())
+        if args.write_doc:
+            write_doc_table(table)
+        else:
+            print(table)
+        return 0
     if args.markdown:
         print("| figure | policy | K/V | perplexity | vs fp16 | per segment | KV held | passkey | s |")
         print("|---|---|---|---:|---:|---:|---:|---|---:|")
