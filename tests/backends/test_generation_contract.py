@@ -47,7 +47,8 @@ def test_run_json_has_a_fixed_shape(cli):
     assert res.code == 0
     out = json.loads(res.out)
     assert set(out) == {"text", "finish_reason", "backend", "policy", "exact", "model", "kv_layout", "planned_kv_bytes",
-                        "stats"}
+                        "context", "allocated_context", "allocated_kv_bytes", "stats"}
+    assert out["allocated_context"] <= out["context"]  # the request's KV, not the trained context's
     assert set(out["stats"]) >= {"prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s",
                                  "kv_bytes", "policy", "backend"}
     assert out["backend"] == "fake" and out["policy"] == "fp16" and out["exact"] is True
