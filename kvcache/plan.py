@@ -14,6 +14,7 @@ class Rejected:
     backend: str
     policy: str
     reason: str
+    quality: dict | None = None  # the format's KL divergence figure (kvcache/kld_quality.py), if any
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Plan:
     reasons: list[str] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
     kv_layout: str = ""  # what the backend's cache holds for ``policy``, in words (Backend.describe_kv)
+    quality: dict | None = None  # the chosen format's KL divergence figure, measured or prior (kvcache/kld_quality.py)
 
     def __post_init__(self) -> None:
         if not self.kv_layout:  # a plan made without its backend's words: the policy cache's
@@ -59,5 +61,5 @@ class Plan:
             "context": self.context, "kv_bytes": self.kv_bytes, "weight_bytes": self.weight_bytes,
             "memory_bytes": self.memory_bytes, "decode_tok_s": self.decode_tok_s,
             "prefill_tok_s": self.prefill_tok_s, "hardware": self.hardware, "reasons": list(self.reasons),
-            "rejected": [r.__dict__ for r in self.rejected],
+            "rejected": [r.__dict__ for r in self.rejected], "quality": self.quality,
         }

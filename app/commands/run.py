@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from localctx.app.session_options import SessionRequest, add_prompt_cache_option, add_session_options, open_session
+from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options,
+                                          calibration_offer, plan_session)
 from localctx.backends.generation import speculation
 from localctx.backends.base import GenerationParams, GenerationStats, OutputConstraint
 from localctx.kvcache.cost import format_bytes
@@ -110,7 +111,11 @@ def handle(args: argparse.Namespace) -> int:
     constraint = read_schema(args.json_schema) if args.json_schema else None
     messages = text if args.raw else (
         ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}])
-    session = open_session(SessionRequest.from_args(args, prompt_cache=args.prompt_cache))
+    planned = plan_session(SessionRequest.from_args(args, prompt_cache=args.prompt_cache))
+    offer = calibration_offer(planned)
+    if offer:
+        print(offer, file=sys.stderr)
+    session = planned.load()
     if constraint is not None:
         reason = session.constraint_refusal(constraint)
         if reason:
@@ -137,7 +142,8 @@ def handle(args: argparse.Namespace) -> int:
         out = {"text": "".join(pieces), "finish_reason": finish, "backend": session.plan.backend,
                "policy": str(session.plan.policy), "exact": session.plan.exact,
                "model": session.spec.name, "kv_layout": session.plan.kv_layout,
-               "planned_kv_bytes": session.plan.kv_bytes, "stats": stats.to_dict() if stats else None}
+               "planned_kv_bytes": session.plan.kv_bytes,
+               "stats": (stats.to_dict() | {"kv_quality": session.plan.quality}) if stats else None}
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
