@@ -18,8 +18,9 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="perplexity and needle retrieval of KV policies against full precision",
                        description="Measure what each KV policy costs in quality, beside the full-precision cache.")
     add_model_option(p)
-    p.add_argument("--backend", choices=("torch", "llamacpp"), default="torch",
-                   help="whose KV cache to measure: torch's policy caches (default) or llama.cpp's cache types")
+    p.add_argument("--backend", choices=("torch", "llamacpp", "mlx"), default="torch",
+                   help="whose KV cache to measure: torch's policy caches (default), llama.cpp's cache types, "
+                        "or MLX's policy caches")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="llama.cpp threads (default: the physical cores; torch reads LOCALCTX_TORCH_THREADS)")
     p.add_argument("--kv", action="append", default=[], metavar="POLICY",
@@ -90,6 +91,11 @@ def handle(args: argparse.Namespace) -> int:
 
         ref, _ = resolve_model(SessionRequest(model=args.model, backend="llamacpp"))
         evaluator = LlamaCppEvaluator(ref, threads=args.threads)
+    elif args.backend == "mlx":
+        from localctx.backends.mlx.evaluate import MLXEvaluator, evaluate
+
+        ref, _ = resolve_model(SessionRequest(model=args.model, backend="mlx"))
+        evaluator = MLXEvaluator(ref, chunk=args.chunk)
     else:
         from localctx.backends.torch.loading import TorchOptions, load_model
         from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate

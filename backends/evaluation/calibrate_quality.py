@@ -86,4 +86,5 @@ def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int = TOKENS
         command=f"localctx plan --calibrate-quality -m {ref.path} --backend {backend}",
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         note=f"{tokens:,} tokens of pydoc_data.topics per format in {wall:.0f} s; {load_note()}",
-        extra={"model_name": spec.name, "reference_ppl": reports[0].perplexity.ppl, "wall_s": round(wall, 1)})
+        extra={"model_name": spec.name, "head_dim": spec.head_dim, "n_params": spec.n_params,
+               "reference_ppl": reports[0].perplexity.ppl, "wall_s": round(wall, 1)})

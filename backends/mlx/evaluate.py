@@ -1,0 +1,114 @@
+"""Quality of a KV policy on the MLX backend: the tasks of backends/evaluation/tasks.py through
+backends/mlx/policy_cache.py, one MLX session per policy over the same loaded weights:
+
+- perplexity, and KL divergence from the full-precision cache, with every policy in lockstep
+  (backends/evaluation/divergence.py): the text streams ``chunk`` tokens per forward through each
+  cache, and each chunk's next-token distributions are compared on the same positions;
+- passkey: the prompt streams in ``chunk``-token forwards, then greedy decoding, exact match."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from localctx.backends.evaluation.divergence import Divergence, DivergenceMeter, compare
+from localctx.backends.evaluation.tasks import (NeedleResult, NeedleTask, PerplexityResult, PerplexityTask,
+                                                PolicyReport, needle_grid, passkey_cells, perplexity_result,
+                                                text_tokens, with_baseline)
+from localctx.backends.models.ref import ModelRef
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.plan import Plan
+from localctx.kvcache.policy import KVPolicy
+
+
+class MLXEvaluator:
+    """Loads one GGUF or safetensors folder once; a fresh session (cache) per policy."""
+
+    def __init__(self, ref: ModelRef, chunk: int = 128):
+        from localctx.backends.mlx.backend import MLXBackend
+        from localctx.backends.mlx.loading import load_folder, load_gguf
+        from localctx.backends.mlx.tokenizer import folder_tokenizer, gguf_tokenizer
+        from localctx.backends.models.spec_reader import read_spec
+
+        if ref.kind not in ("gguf", "hf"):
+            raise UserError(f"--backend mlx evaluates GGUF files and safetensors folders, not {ref.name}")
+        self.ref, self.spec, self.chunk = ref, read_spec(ref), chunk
+        self.backend = MLXBackend()
+        if ref.kind == "gguf":
+            self.loaded, meta = load_gguf(ref.path)
+            self.tokenizer = gguf_tokenizer(ref.path, meta)
+        else:
+            self.loaded, cfg = load_folder(ref.path)
+            self.tokenizer = folder_tokenizer(ref.path, cfg)
+
+    def refuse(self, policy: KVPolicy) -> None:
+        reasons = self.backend.refusals(policy, self.spec)
+        if reasons:
+            raise UserError(f"mlx cannot run --kv {policy}: {reasons[0]}")
+
+    def session(self, policy: KVPolicy, context: int):
+        from localctx.backends.mlx.session import MLXSession, SessionOptions
+
+        self.refuse(policy)
+        return MLXSession(self.loaded, self.tokenizer, self.spec, Plan.fixed("mlx", self.spec, policy, context),
+                          SessionOptions(prefill_chunk=self.chunk))
+
+    def lockstep(self, sessions: list, ids: Sequence[int], task: PerplexityTask, reference: bool = True,
+                 on_chunk=None) -> list[tuple[PerplexityResult, Divergence | None]]:
+        """As the llama.cpp and torch evaluators: ``sessions[0]`` the reference with ``reference``."""
+        started = time.perf_counter()
+        tokens = list(ids)[:task.n_tokens]
+        n = len(tokens)
+        for session in sessions:
+            session.reset()
+        nll = [[0.0] * n for _ in sessions]
+        meters = [DivergenceMeter() for _ in sessions[1:]]
+        first = max(1, task.score_from)
+        for start in range(0, n - 1, task.chunk):
+            end = min(start + task.chunk, n - 1)
+            outs = [session.feed(tokens[start:end], all_logits=True) for session in sessions]
+            targets = tokens[start + 1:end + 1]
+            if reference:
+                rows = compare(outs[0], outs[1:], targets, meters, first=first - 1 - start)
+            else:
+                rows = [compare(out, [], targets, [])[0] for out in outs]
+            for j, row in enumerate(rows):
+                nll[j][start + 1:end + 1] = row.tolist()
+            if on_chunk:
+                on_chunk(end, n - 1)
+        seconds = time.perf_counter() - started
+        return [(perplexity_result(nll[j], task, s.cache.nbytes(), s.cache.n_kept, seconds),
+                 meters[j - 1].result() if reference and j else None) for j, s in enumerate(sessions)]
+
+    def needle(self, session, cells, task: NeedleTask) -> NeedleResult:
+        def answer(ids: list[int]) -> str:
+            session.reset()
+            logits = session.feed(ids)
+            out = []
+            for _ in range(task.answer_tokens):
+                out.append(int(logits.reshape(-1, logits.shape[-1])[-1].argmax()))
+                logits = session.feed([out[-1]])
+            return b"".join(self.tokenizer.token_bytes(t) for t in out).decode("utf-8", errors="replace")
+
+        return needle_grid(cells, answer)
+
+
+def evaluate(evaluator: MLXEvaluator, policies: Sequence[KVPolicy], ppl: PerplexityTask | None,
+             needle: NeedleTask | None, progress=None, baseline: bool = True, on_chunk=None) -> list[PolicyReport]:
+    ordered = with_baseline(policies, baseline)
+    for policy in ordered:  # refuse before anything runs
+        evaluator.refuse(policy)
+    reports = [PolicyReport(str(policy), policy.exact) for policy in ordered]
+    if ppl:
+        ids = text_tokens(evaluator.tokenizer, ppl.n_tokens)
+        sessions = [evaluator.session(policy, len(ids)) for policy in ordered]
+        results = evaluator.lockstep(sessions, ids, ppl, reference=baseline, on_chunk=on_chunk)
+        for report, (result, div) in zip(reports, results):
+            report.perplexity, report.divergence = result, div
+    cells = list(passkey_cells(evaluator.tokenizer, needle)) if needle else []
+    for policy, report in zip(ordered, reports):
+        if needle:
+            report.needle = evaluator.needle(evaluator.session(policy, max(len(c[3]) for c in cells) + 8),
+                                             cells, needle)
+        if progress:
+            progress(report)
+    return reports
