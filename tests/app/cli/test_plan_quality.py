@@ -102,3 +102,19 @@ def test_run_and_chat_offer_calibration_once_for_a_lossy_plan_of_an_uncalibrated
     plan.quality = {"basis": "measured"}
     planned = PlannedSession(resolve(str(other)), spec, plan)
     assert calibration_offer(planned) is None  # measured: nothing to offer
+
+
+def test_run_json_stats_carry_the_chosen_formats_figure_and_the_offer_is_made_once(cli, tiny, tmp_path):
+    model = tmp_path / "run.gguf"
+    model.write_bytes(tiny.read_bytes())
+    argv = ("run", "-m", str(model), "--backend", "llamacpp", "--kv", "int8", "--context", "256",
+            "--max-tokens", "2", "--raw", "--json", "the river")
+    first = cli(*argv)
+    assert first.code == 0, first.err
+    assert json.loads(first.out)["stats"]["kv_quality"] is None  # nothing measured, no prior for this shape
+    assert first.err.count("--calibrate-quality") == 1
+    calibrate(model)
+    second = cli(*argv)
+    assert second.code == 0, second.err
+    assert json.loads(second.out)["stats"]["kv_quality"]["mean_kld"] == 0.002
+    assert "--calibrate-quality" not in second.err
