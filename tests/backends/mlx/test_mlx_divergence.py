@@ -1,5 +1,5 @@
 """KL divergence on the MLX backend (backends/mlx/evaluate.py), on SmolLM2-135M: two full-precision
-caches in lockstep diverge by exactly 0, a 4-bit cache by more than an 8-bit one, and the figures equal
+caches in lockstep diverge by exactly 0, a 4-bit cache by more, and its figures equal
 a plain NumPy KL over the logits the two caches gave."""
 import numpy as np
 import pytest
@@ -26,7 +26,7 @@ def test_two_full_precision_caches_diverge_by_exactly_zero(ev):
     assert none is None and same.mean_kld == 0.0 and same.top1 == 1.0 and same.scored == 95
 
 
-def test_int4_diverges_more_than_int8_and_matches_numpy(ev, monkeypatch):
+def test_int4_diverges_and_matches_numpy(ev, monkeypatch):
     from localctx.backends.mlx.session import MLXSession
 
     seen = []
@@ -38,15 +38,15 @@ def test_int4_diverges_more_than_int8_and_matches_numpy(ev, monkeypatch):
         return out
 
     monkeypatch.setattr(MLXSession, "feed", spy)
-    reports = evaluate(ev, [KVPolicy.parse("int8"), KVPolicy.parse("int4")], PerplexityTask(129, 64), None)
-    d8, d4 = reports[1].divergence, reports[2].divergence
-    assert 0 < d8.mean_kld < d4.mean_kld
-    p, q = np.concatenate(seen[0::3]), np.concatenate(seen[2::3])
+    reports = evaluate(ev, [KVPolicy.parse("int4")], PerplexityTask(97, 48), None)
+    d4 = reports[1].divergence
+    assert reports[0].divergence is None and d4.mean_kld > 0
+    p, q = np.concatenate(seen[0::2]), np.concatenate(seen[1::2])
     lp = p - p.max(1, keepdims=True)
     lp -= np.log(np.exp(lp).sum(1, keepdims=True))
     lq = q - q.max(1, keepdims=True)
     lq -= np.log(np.exp(lq).sum(1, keepdims=True))
     kl = (np.exp(lp) * (lp - lq)).sum(1)
-    assert d4.scored == 128
+    assert d4.scored == 96
     assert d4.mean_kld == pytest.approx(kl.mean(), rel=1e-6)
     assert d4.top1 == pytest.approx((lp.argmax(1) == lq.argmax(1)).mean())
