@@ -70,7 +70,7 @@ def test_nothing_within_budget_and_no_window_room_refuses_and_names_the_budget()
     cap = int((fixed + 10e6) / (1 - 0.05))  # a KV budget of ~10 MB: a full-precision window under 128 tokens
     with pytest.raises(UserError) as err:
         plan(HW, SPEC, PlanRequest(context=40960, max_memory=cap), view(over))
-    assert "over the --max-kld 0.1 budget: int8 (2.000 measured)" in str(err.value)
+    assert "over the --max-kld 0.05 budget: int8 (2.000 measured)" in str(err.value)
     assert "and no window fits" in str(err.value) and "raise --max-kld" in str(err.value)
 
 

@@ -60,10 +60,10 @@ def test_over_budget_q4_0_is_not_planned_where_only_it_holds_the_context(cli, ti
     plan = plan_json(cli, tiny, "--max-memory", cap)["plan"]
     assert not plan["policy"].startswith("int4") and "win" in plan["policy"]  # a window instead
     rejected = {r["policy"]: r for r in plan["rejected"]}
-    assert "over the --max-kld 0.1 budget" in rejected["int4"]["reason"]
+    assert "over the --max-kld 0.05 budget" in rejected["int4"]["reason"]
     assert rejected["int4"]["quality"]["basis"] == "measured" and rejected["int4"]["quality"]["mean_kld"] == 0.9
     assert rejected["int8"]["quality"]["mean_kld"] == 0.002  # rejected for memory, its figure beside
-    assert any("over the --max-kld 0.1 budget: int4 (0.900 measured)" in r for r in plan["reasons"])
+    assert any("over the --max-kld 0.05 budget: int4 (0.900 measured)" in r for r in plan["reasons"])
     raised = plan_json(cli, tiny, "--max-memory", cap, "--max-kld", "1")["plan"]
     assert raised["policy"] == "int4" and raised["quality"]["mean_kld"] == 0.9
 
