@@ -13,7 +13,7 @@ from localctx.backends.models.ref import ModelRef, resolve
 from localctx.backends.machine.planner_inputs import PlanningContext, make_auto_plan, plan_fixed, planning_context
 from localctx.kvcache import cost, quality_calibration
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.kld_quality import DEFAULT_MAX_KLD
+from localctx.kvcache.kld_quality import CALIBRATED_BACKENDS, DEFAULT_MAX_KLD
 from localctx.kvcache.planner import PlanRequest, parse_size
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -271,7 +271,7 @@ def plan_session(req: SessionRequest, watch: Stopwatch | None = None) -> Planned
     return PlannedSession(ref, spec, plan, req.prompt_cache, req.cache_reuse)
 
 
-QUALITY_CALIBRATED = ("llamacpp", "torch")  # the backends `plan --calibrate-quality` measures
+QUALITY_CALIBRATED = CALIBRATED_BACKENDS  # the backends `plan --calibrate-quality` measures
 
 
 def calibration_offer(planned: PlannedSession) -> str | None:
