@@ -11,8 +11,9 @@ from localctx.backends.base import Session
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import ModelRef, resolve
 from localctx.backends.machine.planner_inputs import PlanningContext, make_auto_plan, plan_fixed, planning_context
-from localctx.kvcache import cost
+from localctx.kvcache import cost, quality_calibration
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.kld_quality import CALIBRATED_BACKENDS, DEFAULT_MAX_KLD
 from localctx.kvcache.planner import PlanRequest, parse_size
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -53,6 +54,10 @@ def add_session_options(parser: argparse.ArgumentParser, remote: bool = True) ->
                         help="only exact KV plans (full precision, nothing evicted)")
     parser.add_argument("--max-memory", default=None, metavar="SIZE",
                         help="cap on weights + KV + runtime, e.g. 6GB or 800MiB (default: free memory)")
+    parser.add_argument("--max-kld", type=float, default=DEFAULT_MAX_KLD, metavar="NATS",
+                        help="quality budget: never plan a KV format whose mean KL divergence from full precision "
+                             f"on this model exceeds NATS per token (default {DEFAULT_MAX_KLD:g}; measured by "
+                             "localctx plan --calibrate-quality, else a prior)")
 
 
 @dataclass
@@ -73,6 +78,7 @@ class SessionRequest:
     # tokens to allocate KV for at load (the session grows toward the plan's context); None: all of it.
     # --context, where given, is allocated whole.
     allocate: int | None = None
+    max_kld: float = DEFAULT_MAX_KLD  # the planner's quality budget (kvcache/kld_quality.py)
 
     @classmethod
     def from_local_args(cls, args: argparse.Namespace, prompt_cache: bool = False,
@@ -80,7 +86,7 @@ class SessionRequest:
         """The options add_session_options(remote=False) adds."""
         return cls(model=args.model, backend=args.backend, kv=args.kv, context=args.context,
                    min_tok_s=args.min_tok_s, exact=args.exact, max_memory=args.max_memory,
-                   prompt_cache=prompt_cache, cache_reuse=cache_reuse)
+                   prompt_cache=prompt_cache, cache_reuse=cache_reuse, max_kld=args.max_kld)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, prompt_cache: bool = False, cache_reuse: int = 0) -> "SessionRequest":
@@ -90,7 +96,8 @@ class SessionRequest:
 
     def plan_request(self) -> PlanRequest:
         return PlanRequest(context=self.context, min_tok_s=self.min_tok_s, exact=self.exact,
-                           max_memory=parse_size(self.max_memory) if self.max_memory else None, heavy=self.heavy)
+                           max_memory=parse_size(self.max_memory) if self.max_memory else None, heavy=self.heavy,
+                           max_kld=self.max_kld)
 
 
 def remote_request(req: SessionRequest):
@@ -136,12 +143,15 @@ def check_plan_options(req: SessionRequest) -> None:
         raise UserError("--kv names the policy itself; drop --exact / --min-tok-s, or drop --kv to let localctx plan")
 
 
-def make_planning_context(req: SessionRequest, spec: ModelSpec) -> PlanningContext:
-    """This machine (its profile measured once and cached) or ``req.hardware``, and the backend's view."""
-    return planning_context(req.backend, spec, hardware=req.hardware, measure=req.backend != "fake")
+def make_planning_context(req: SessionRequest, spec: ModelSpec, ref: ModelRef | None = None) -> PlanningContext:
+    """This machine (its profile measured once and cached) or ``req.hardware``, and the backend's view;
+    ``ref``'s file names the quality calibration the planner judges formats by (kvcache/quality_calibration.py)."""
+    return planning_context(req.backend, spec, hardware=req.hardware, measure=req.backend != "fake",
+                            model_file=model_file(ref))
 
 
-def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None = None) -> Plan:
+def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None = None,
+              ref: ModelRef | None = None) -> Plan:
     """The planner's choice for this model on this machine (or ``req.hardware``), unless ``--kv``
     names a policy; either way a plan that cannot fit is refused here, before loading. With
     --backend openai the plan is the server's (backends/openai/session.py)."""
@@ -151,7 +161,7 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
         return open_remote(remote_request(req)).plan
     check_plan_options(req)
     if ctx is None:
-        ctx = make_planning_context(req, spec)
+        ctx = make_planning_context(req, spec, ref)
     plan = plan_fixed(ctx, spec, KVPolicy.parse(req.kv), req.plan_request()) if req.kv else \
         make_auto_plan(ctx, spec, req.plan_request())
     if req.kv:  # a policy the user named is refused by plan as by run, with the backend's reason
@@ -159,6 +169,11 @@ def make_plan(req: SessionRequest, spec: ModelSpec, ctx: PlanningContext | None 
     if req.backend == "fake":
         plan.hardware = ""  # the fake backend runs on no hardware: surfaces show their own label
     return plan
+
+
+def model_file(ref: ModelRef | None):
+    """The file (or folder) a calibration is cached for: a local model's, None for the others."""
+    return ref.path if ref is not None and ref.kind in ("gguf", "hf") else None
 
 
 def add_prompt_cache_option(parser: argparse.ArgumentParser) -> None:
@@ -244,9 +259,9 @@ def plan_session(req: SessionRequest, watch: Stopwatch | None = None) -> Planned
         return PlannedSession(ref, remote.spec, remote.plan, opened=remote)
     ref, spec = resolve_model(req, watch)
     check_plan_options(req)
-    ctx = make_planning_context(req, spec)
+    ctx = make_planning_context(req, spec, ref)
     watch.lap("machine and backend profile")
-    plan = size_plan(make_plan(req, spec, ctx), req, spec)
+    plan = size_plan(make_plan(req, spec, ctx, ref=ref), req, spec)
     watch.lap("plan")
     refuse_unrunnable(plan, spec)
     watch.lap("engine import and check")
@@ -254,6 +269,22 @@ def plan_session(req: SessionRequest, watch: Stopwatch | None = None) -> Planned
         raise UserError(f"--cache-reuse is llama.cpp's shift-based chunk reuse and the plan runs on {plan.backend}; "
                         "add --backend llamacpp or drop --cache-reuse")
     return PlannedSession(ref, spec, plan, req.prompt_cache, req.cache_reuse)
+
+
+QUALITY_CALIBRATED = CALIBRATED_BACKENDS  # the backends `plan --calibrate-quality` measures
+
+
+def calibration_offer(planned: PlannedSession) -> str | None:
+    """One line offering ``localctx plan --calibrate-quality`` the first time a lossy plan is chosen for
+    a model whose quality on that backend is not measured (None otherwise, and every later time)."""
+    plan, path = planned.plan, model_file(planned.ref)
+    if plan.exact or path is None or plan.backend not in QUALITY_CALIBRATED:
+        return None
+    if (plan.quality or {}).get("basis") == "measured" or not quality_calibration.offer_once(path, plan.backend):
+        return None
+    judged = "a prior from other models" if plan.quality else "no KL divergence figure for it"
+    return (f"note: KV {plan.policy} is lossy and its cost on {planned.spec.name} is not measured ({judged}); "
+            f"measure it once: localctx plan --calibrate-quality -m {path} --backend {plan.backend}")
 
 
 def open_session(req: SessionRequest, watch: Stopwatch | None = None) -> Session:

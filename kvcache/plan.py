@@ -15,6 +15,7 @@ class Rejected:
     backend: str
     policy: str
     reason: str
+    quality: dict | None = None  # the format's KL divergence figure (kvcache/kld_quality.py), if any
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Plan:
     # tokens the session allocates when it loads (None: all of ``context``); it grows toward ``context``
     allocated: int | None = None
     allocated_kv_bytes: int | None = None  # KV bytes of ``allocated`` tokens, as the backend holds them
+    quality: dict | None = None  # the chosen format's KL divergence figure, measured or prior (kvcache/kld_quality.py)
 
     def __post_init__(self) -> None:
         if not self.kv_layout:  # a plan made without its backend's words: the policy cache's
@@ -94,5 +96,5 @@ class Plan:
             "memory_bytes": self.memory_bytes, "allocated_context": self.allocated_context,
             "allocated_kv_bytes": self.allocated_bytes, "decode_tok_s": self.decode_tok_s,
             "prefill_tok_s": self.prefill_tok_s, "hardware": self.hardware, "reasons": list(self.reasons),
-            "rejected": [r.__dict__ for r in self.rejected],
+            "rejected": [r.__dict__ for r in self.rejected], "quality": self.quality,
         }

@@ -22,6 +22,7 @@ from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.hardware_profile import HardwareProfile, MiB
 from localctx.kvcache.plan import Plan, Rejected
 from localctx.kvcache.policy import KVPolicy, uniform
+from localctx.kvcache.kld_quality import DEFAULT_MAX_KLD, NO_FIGURES, KldTable
 from localctx.kvcache.quality import NO_VERDICTS, BackendQuality, QualityTable
 from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
@@ -49,6 +50,7 @@ class PlanRequest:
     exact: bool = False  # only exact plans (full precision, nothing evicted)
     max_memory: int | None = None  # cap on weights + KV + runtime, in bytes
     heavy: bool = False  # also consider heavy-hitter (H2O) candidates
+    max_kld: float = DEFAULT_MAX_KLD  # quality budget: mean KL divergence per token, nats (kvcache/kld_quality.py)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class BackendView:
     allocated: Callable[[ModelSpec, KVPolicy, int], int] | None = None
     describe: Callable[[KVPolicy], str] = policy_cache_layout
     quality_table: QualityTable = NO_VERDICTS  # measured quality per backend (assets/kv_quality.json)
+    kld: KldTable = NO_FIGURES  # this model's KL divergence per format: its calibration, else priors
 
     @property
     def quality(self) -> BackendQuality:
@@ -173,9 +176,28 @@ class _Search:
     context: int
     budget: Budget
     rejected: list[Rejected] = field(default_factory=list)
+    over_budget: list[str] = field(default_factory=list)  # formats refused by the KL divergence budget
 
-    def reject(self, policy: KVPolicy | str, reason: str) -> None:
-        self.rejected.append(Rejected(self.backend.name, str(policy), reason))
+    def reject(self, policy: KVPolicy | str, reason: str, template: KVPolicy | None = None) -> None:
+        fig = self.backend.kld.figure(template or policy) if isinstance(template or policy, KVPolicy) else None
+        self.rejected.append(Rejected(self.backend.name, str(policy), reason, fig.to_dict() if fig else None))
+
+    def quality_refusal(self, policy: KVPolicy) -> str | None:
+        """Over the KL divergence budget (this model's figure, measured or prior); without a figure,
+        the backend's perplexity verdict (kvcache/quality.py)."""
+        fig = self.backend.kld.figure(policy)
+        if fig is None:
+            return self.backend.quality.refusal(policy)
+        if fig.mean_kld > self.req.max_kld:
+            self.over_budget.append(f"{fig.format} ({fig.mean_kld:.3f} {fig.basis})")
+            return f"{fig.describe()}: over the --max-kld {self.req.max_kld:g} budget"
+        return None
+
+    def quality_note(self, policy: KVPolicy) -> str:
+        fig = self.backend.kld.figure(policy)
+        if fig is None:
+            return self.backend.quality.note(policy)
+        return f"{fig.describe()}, within the --max-kld {self.req.max_kld:g} budget"
 
     def exact_fits(self, policy: KVPolicy) -> bool:
         refused = self.backend.refusals(policy)
@@ -185,7 +207,7 @@ class _Search:
         if self.req.exact and not policy.exact:
             self.reject(policy, f"--exact allows full-precision KV only ({self.backend.describe(policy)})")
             return False
-        poor = self.backend.quality.refusal(policy) or self.unmeasured_split(policy)
+        poor = self.quality_refusal(policy) or self.unmeasured_split(policy)
         if poor:
             self.reject(policy, poor)
             return False
@@ -245,11 +267,11 @@ class _Search:
     def lossy(self, template: KVPolicy) -> tuple[KVPolicy, str] | None:
         refused = self.backend.refusals(template)
         if refused:
-            self.reject(_shape(template), f"{self.backend.name} cannot: " + "; ".join(refused))
+            self.reject(_shape(template), f"{self.backend.name} cannot: " + "; ".join(refused), template)
             return None
-        poor = self.backend.quality.refusal(template) or self.unmeasured_split(template)
+        poor = self.quality_refusal(template) or self.unmeasured_split(template)
         if poor:
-            self.reject(_shape(template), poor)
+            self.reject(_shape(template), poor, template)
             return None
         limits = self.window_limits(template)
         if template.heavy:
@@ -257,7 +279,8 @@ class _Search:
         bound, window = min(limits.items(), key=lambda kv: kv[1])
         if window < MIN_WINDOW:
             self.reject(_shape(template),
-                        f"the window would be {max(window, 0):,} tokens (bound by {bound}); under {MIN_WINDOW}")
+                        f"the window would be {max(window, 0):,} tokens (bound by {bound}); under {MIN_WINDOW}",
+                        template)
             return None
         heavy = window // (HEAVY_FRACTION - 1) if template.heavy else 0
         return replace(template, window=window, heavy=heavy), bound
@@ -272,6 +295,8 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
         raise UserError(f"--context {context} is too small; give at least 16 tokens")
     if req.min_tok_s is not None and req.min_tok_s <= 0:
         raise UserError(f"--min-tok-s {req.min_tok_s:g} must be positive")
+    if not req.max_kld > 0:
+        raise UserError(f"--max-kld {req.max_kld:g} must be positive (nats per token, e.g. 0.1)")
     b = budget(hw, spec, req, backend)
     s = _Search(hw, spec, req, backend, speed, context, b)
     head = [f"hardware: {hw.describe()}", b.describe()]
@@ -286,10 +311,12 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
     if req.exact:
         raise NoPlanFits(f"no exact plan for {context:,} tokens of {spec.name} on {hw.name}; drop --exact, "
                          "lower --context or --min-tok-s", s.rejected)
+    over = _over_budget(s)
     options = [(p, bound) for t in lossy_templates(req.heavy) if (found := s.lossy(t)) for p, bound in [found]]
     if not options:
-        raise NoPlanFits(f"no plan for {context:,} tokens of {spec.name} on {hw.name}; lower --context or "
-                         "--min-tok-s, or use a smaller model", s.rejected)
+        raise NoPlanFits(f"no plan for {context:,} tokens of {spec.name} on {hw.name}"
+                         + (f" ({over}, and no window fits)" if over else "")
+                         + "; lower --context or --min-tok-s, raise --max-kld, or use a smaller model", s.rejected)
     widest = max(p.window for p, _ in options)  # the largest window; within 5% of it, the higher fidelity
     best, bound = next((p, bd) for p, bd in options if p.window >= widest * 0.95)
     for other, other_bound in options:
@@ -302,8 +329,16 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
     why = (f"lossy: keeps the first {best.sinks} and the last {best.window:,} tokens"
            + (f" plus {best.heavy:,} heavy hitters" if best.heavy else "")
            + f" of a {context:,}-token stream; the window is bound by {bound}"
-           + (f"; {s.backend.quality.note(best)}" if best.quantized else ""))
-    return _finish(s, best, head + [why])
+           + (f"; {s.quality_note(best)}" if best.quantized else ""))
+    return _finish(s, best, head + [why] + ([f"{over}: a window keeps the context within budget instead, "
+                                             "or lower --context for full precision without one"] if over else []))
+
+
+def _over_budget(s: _Search) -> str:
+    """Which formats the KL divergence budget refused, if any (said beside the plan taken instead)."""
+    if not s.over_budget:
+        return ""
+    return f"over the --max-kld {s.req.max_kld:g} budget: {', '.join(dict.fromkeys(s.over_budget))}"
 
 
 def _why_exact(policy: KVPolicy, s: _Search) -> str:
@@ -313,7 +348,7 @@ def _why_exact(policy: KVPolicy, s: _Search) -> str:
     if policy.split:
         why += (f"; keys at {policy.k_bits} bits, values at {policy.v_bits}: keys set every attention score "
                 "and lose more to quantization than values (KIVI)")
-    return why + "; " + s.backend.quality.note(policy)
+    return why + "; " + s.quality_note(policy)
 
 
 def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
@@ -326,9 +361,11 @@ def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
     reasons.append(f"KV {format_bytes(kv)} peak of the {format_bytes(max(s.budget.kv, 0))} budget"
                    + layout_note(spec, policy))
     reasons.extend(f"assumed: {a}" for a in spec.assumptions)
+    fig = s.backend.kld.figure(policy)
     return Plan(backend=s.backend.name, policy=policy, context=ctx, kv_bytes=kv, weight_bytes=spec.weight_bytes,
                 decode_tok_s=tok_s, prefill_tok_s=s.speed.prefill_tok_s(spec, min(ctx, 4096)),
-                hardware=s.hw.name, reasons=reasons, rejected=s.rejected, kv_layout=s.backend.describe(policy))
+                hardware=s.hw.name, reasons=reasons, rejected=s.rejected, kv_layout=s.backend.describe(policy),
+                quality=fig.to_dict() if fig else None)
 
 
 def layout_note(spec: ModelSpec, policy: KVPolicy) -> str:

@@ -10,7 +10,8 @@ from dataclasses import replace
 import psutil
 
 from localctx.app.session_options import (GROW_FROM_TOKENS, SessionRequest, add_cache_reuse_option,
-                                          add_prompt_cache_option, add_session_options, open_session, plan_session)
+                                          add_prompt_cache_option, add_session_options, calibration_offer,
+                                          open_session, plan_session)
 from localctx.backends.generation import speculation
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.cost import format_bytes
@@ -59,6 +60,9 @@ def handle(args: argparse.Namespace) -> int:
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UserError("localctx chat needs a terminal (stdin and stdout); for piped or scripted use, "
                         'run localctx run "PROMPT"')
+    offer = calibration_offer(planned)
+    if offer:
+        print(offer, file=sys.stderr)
     history, notice = History.open()
     setup = ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name,
                       reopen=lambda kv: open_session(replace(request, kv=kv)), history=history, params=params,

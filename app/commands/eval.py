@@ -125,7 +125,7 @@ def handle(args: argparse.Namespace) -> int:
         from localctx.backends.mlx.evaluate import MLXEvaluator, evaluate
 
         ref, _ = resolve_model(SessionRequest(model=args.model, backend="mlx"))
-        evaluator = MLXEvaluator(ref)
+        evaluator = MLXEvaluator(ref, chunk=max(1, args.chunk))
     else:
         from localctx.backends.torch.loading import TorchOptions, load_model
         from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
@@ -188,6 +188,7 @@ def as_json(model: str, ppl, needle, reports, backend: str = "torch") -> dict:
         if r.backend_settings:  # llama.cpp: its cache types, n_ctx and allocated bytes
             out["cache"] = r.backend_settings
         out["perplexity"] = asdict(r.perplexity) if r.perplexity else None
+        out["divergence"] = asdict(r.divergence) if r.divergence else None  # KL from the full-precision cache
         out["needle"] = (asdict(r.needle) | {"accuracy": r.needle.accuracy}) if r.needle else None
         return out
 
@@ -205,7 +206,8 @@ def table(model: str, ppl, needle, reports, backend: str = "torch") -> str:
     if needle:
         lines.append(f"passkey: lengths {','.join(map(str, needle.lengths))} x depths "
                      f"{','.join(map(str, needle.depths))}, exact match")
-    head = f"{'policy':<28} {'kind':<6} {'ppl':>9} {'vs fp':>8} {'needle':>8} {'vs fp':>7} {'KV held':>11} {'s':>6}"
+    head = (f"{'policy':<28} {'kind':<6} {'ppl':>9} {'vs fp':>8} {'KLD mean':>9} {'p99':>8} {'top-1':>7} "
+            f"{'needle':>8} {'vs fp':>7} {'KV held':>11} {'s':>6}")
     lines += [head, "-" * len(head)]
     for r in reports:
         p, n = r.perplexity, r.needle
@@ -215,8 +217,19 @@ def table(model: str, ppl, needle, reports, backend: str = "torch") -> str:
         dacc = f"{(n.accuracy - base.needle.accuracy) * 100:+6.1f}" if n and base else "-"
         held = format_bytes(p.kv_bytes) if p else "-"
         secs = (p.seconds if p else 0) + (n.seconds if n else 0)
-        lines.append(f"{r.policy:<28} {'exact' if r.exact else 'lossy':<6} {ppl_s} {dppl} {acc:>8} {dacc:>7} "
-                     f"{held:>11} {secs:6.0f}")
+        lines.append(f"{r.policy:<28} {'exact' if r.exact else 'lossy':<6} {ppl_s} {dppl} {kld_cells(r, base)} "
+                     f"{acc:>8} {dacc:>7} {held:>11} {secs:6.0f}")
         for a, b, seg in (p.segments if p else []):
             lines.append(f"    tokens {a:>6}-{b:<6} ppl {seg:9.3f}")
+    if ppl and base:
+        lines.append("KLD: KL(full precision || policy) of the next-token distribution in nats, mean and 99th "
+                     "percentile over the scored tokens; top-1: the two caches' most likely tokens agree")
     return "\n".join(lines)
+
+
+def kld_cells(r, base) -> str:
+    """KL divergence mean, p99 and top-1 agreement; the full-precision row is the reference."""
+    d = r.divergence
+    if d is None:
+        return f"{'ref' if r is base else '-':>9} {'-':>8} {'-':>7}"
+    return f"{d.mean_kld:9.5f} {d.p99_kld:8.4f} {d.top1 * 100:6.2f}%"

@@ -8,7 +8,8 @@ import json
 import sys
 
 from localctx.app.session_options import (GROW_FROM_TOKENS, SessionRequest, add_session_options, make_plan,
-                                          resolve_model)
+                                          model_file, resolve_model)
+from localctx.backends.models.ref import ModelRef
 from localctx.backends.machine.detect import profile_names, resolve_hardware
 from localctx.backends.models.spec_reader import hub_config_spec
 from localctx.backends.models.ref import is_repo_id
@@ -33,6 +34,10 @@ def register(sub) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="measure the backend's decode cost per KV format on this machine first (llama.cpp by "
                         "default, about a minute; --backend torch: with its current settings, about two minutes)")
+    p.add_argument("--calibrate-quality", action="store_true",
+                   help="measure what each lossy KV format costs this model first (KL divergence and top-1 "
+                        "against full precision on built-in text; a few minutes for a 0.5B model), cached per "
+                        "model file and backend; the plan then judges formats by it (--max-kld)")
     p.add_argument("--list-hardware", action="store_true", help="list the named hardware profiles")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                    help="also project the time to first token of an N-token prompt, cold and with a cached prefix")
@@ -42,17 +47,18 @@ def register(sub) -> None:
     p.set_defaults(handler=handle)
 
 
-def model_spec(req: SessionRequest) -> tuple[ModelSpec, str]:
-    """A local model's spec (a GGUF's header, a folder's config.json), else a known shape from
-    assets/models.json, else a hub repo's config.json alone (fetched when online): no weights needed."""
+def model_spec(req: SessionRequest) -> tuple[ModelSpec, str, ModelRef | None]:
+    """A local model's spec (a GGUF's header, a folder's config.json) and its ref, else a known shape
+    from assets/models.json, else a hub repo's config.json alone (fetched when online): no weights needed."""
     try:
-        return resolve_model(req)[1], "model file"
+        ref, spec = resolve_model(req)
+        return spec, "model file", ref
     except UserError as exc:
         spec = known_spec_or_none(req.model)
         if spec is not None:
-            return spec, "assets/models.json (no weights needed)"
+            return spec, "assets/models.json (no weights needed)", None
         if req.model and is_repo_id(req.model):
-            return hub_config_spec(req.model), f"config.json of {req.model} (no weights needed)"
+            return hub_config_spec(req.model), f"config.json of {req.model} (no weights needed)", None
         raise UserError(f"{exc}; or plan a known shape: {', '.join(known_models.names())}") from None
 
 
@@ -68,13 +74,15 @@ def handle(args: argparse.Namespace) -> int:
     req.hardware, req.heavy = args.hardware, args.heavy
     if args.calibrate:
         _calibrate(args)
+    if args.calibrate_quality:
+        _calibrate_quality(req)
     if req.backend == "openai":  # the server plans, or keeps its own settings
         from localctx.app.session_options import remote_request
         from localctx.backends.openai.session import describe_remote
 
         return describe_remote(remote_request(req), as_json=args.json)
-    spec, source = model_spec(req)
-    ctx = planning_context(req.backend, spec, hardware=req.hardware)
+    spec, source, ref = model_spec(req)
+    ctx = planning_context(req.backend, spec, hardware=req.hardware, model_file=model_file(ref))
     b = budget(ctx.hardware, spec, req.plan_request(), ctx.backend)
     try:
         plan = make_plan(req, spec, ctx)
@@ -123,6 +131,29 @@ def _calibrate(args: argparse.Namespace) -> None:
     print(f"calibration saved to {path}: {cal.note}", file=sys.stderr)
 
 
+def _calibrate_quality(req: SessionRequest) -> None:
+    """Measure every lossy format the backend offers on this model and cache it (one line when done)."""
+    import time
+
+    from localctx.backends.evaluation.calibrate_quality import TOKENS, calibrate, formats_for, progress_bar
+    from localctx.kvcache import quality_calibration
+
+    if req.hardware:
+        raise UserError("--calibrate-quality measures the model on this machine; drop --hardware")
+    if req.backend not in ("llamacpp", "torch"):
+        raise UserError(f"--calibrate-quality needs --backend llamacpp or --backend torch (got {req.backend}): "
+                        "each backend's cache loses differently, so each is calibrated apart")
+    ref, spec = resolve_model(req)
+    formats = ", ".join(map(str, formats_for(req.backend, spec)))
+    print(f"calibrating KV quality of {spec.name} on {req.backend}: {formats} against full precision, "
+          f"{TOKENS:,} tokens of built-in text each, in lockstep", file=sys.stderr)
+    started = time.perf_counter()
+    cal = calibrate(req.backend, ref, spec, on_chunk=progress_bar())
+    path = quality_calibration.save(cal, ref.path)
+    print(f"quality calibration saved to {path} ({time.perf_counter() - started:.0f} s): "
+          + ", ".join(f"{fmt} KLD {f['mean_kld']:.4f}" for fmt, f in cal.figures.items()), file=sys.stderr)
+
+
 def _print_plan(spec, source, ctx, plan, rows) -> None:
     print(f"model     {spec.name}: {spec.n_layers} layers, {spec.n_kv_heads} KV heads × {spec.head_dim}, trained "
           f"{spec.context_length:,} tokens, weights {format_bytes(spec.weight_bytes)}, "
@@ -133,6 +164,8 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
     print(f"hardware  {ctx.hardware.describe()}")
     print(f"backend   {plan.backend}")
     print(f"policy    {plan.policy}  ({plan.kv_layout})")
+    if plan.quality:
+        print(f"quality   {figure_line(plan.quality)}")
     print(f"context   {plan.context:,} tokens; KV {format_bytes(plan.kv_bytes)} + weights "
           f"{format_bytes(plan.weight_bytes)}; decode ≈ {plan.decode_tok_s:.1f} tok/s"
           + (f", prefill ≈ {plan.prefill_tok_s:.0f} tok/s" if plan.prefill_tok_s else ""))
@@ -148,8 +181,19 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
         print(f"  - {reason}")
     if plan.rejected:
         print("\nrejected:")
-        for r in plan.rejected:
-            print(f"  - {r.policy}: {r.reason}")
+        _print_rejected(plan.rejected)
+
+
+def figure_line(q: dict) -> str:
+    return (f"KLD {q['mean_kld']:.4f} nats/token (p99 {q['p99_kld']:.3f}), top-1 {q['top1']:.1%}, "
+            f"{q['basis']}: {q['source']}")
+
+
+def _print_rejected(rejected) -> None:
+    for r in rejected:
+        print(f"  - {r.policy}: {r.reason}")
+        if r.quality and "KLD" not in r.reason:
+            print(f"      quality: {figure_line(r.quality)}")
 
 
 def _refused(args, spec, ctx, exc: NoPlanFits) -> int:
@@ -158,6 +202,5 @@ def _refused(args, spec, ctx, exc: NoPlanFits) -> int:
                           "refused": exc.headline, "rejected": [r.__dict__ for r in exc.rejected]}, indent=2))
     else:
         print(f"no plan: {exc.headline}")
-        for r in exc.rejected:
-            print(f"  - {r.policy}: {r.reason}")
+        _print_rejected(exc.rejected)
     return exc.exit_code

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from localctx.app.startup_timings import Stopwatch, since_process_start
-from localctx.app.session_options import SessionRequest, add_prompt_cache_option, add_session_options, open_session
+from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options,
+                                          calibration_offer, plan_session)
 from localctx.backends.generation import speculation
 from localctx.backends.base import GenerationParams, GenerationStats, OutputConstraint
 from localctx.kvcache.cost import format_bytes
@@ -134,7 +135,11 @@ def handle(args: argparse.Namespace) -> int:
     request = dataclasses.replace(SessionRequest.from_args(args, prompt_cache=args.prompt_cache),
                                   allocate=request_tokens(text, args.system, args.max_tokens))
     watch.lap("prompt")
-    session = open_session(request, watch)
+    planned = plan_session(request, watch)  # open_session's two steps, with the calibration offer between
+    offer = calibration_offer(planned)
+    if offer:
+        print(offer, file=sys.stderr)
+    session = planned.load(watch)
     if constraint is not None:
         reason = session.constraint_refusal(constraint)
         if reason:
@@ -166,7 +171,7 @@ def handle(args: argparse.Namespace) -> int:
                "model": session.spec.name, "kv_layout": session.plan.kv_layout,
                "planned_kv_bytes": session.plan.kv_bytes, "context": session.plan.context,
                "allocated_context": session.plan.allocated_context, "allocated_kv_bytes": session.plan.allocated_bytes,
-               "stats": stats.to_dict() if stats else None}
+               "stats": (stats.to_dict() | {"kv_quality": session.plan.quality}) if stats else None}
         if args.timings:
             out["timings"] = {name: round(seconds, 4) for name, seconds in watch.stages.items()}
         print(json.dumps(out))

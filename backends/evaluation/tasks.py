@@ -83,6 +83,7 @@ class PolicyReport:
     needle: NeedleResult | None = None
     long_tasks: "TaskResults | None" = None  # backends/evaluation/long_tasks.py
     backend_settings: dict = field(default_factory=dict)  # e.g. llama.cpp's cache types
+    divergence: object = None  # backends/evaluation/divergence.py's Divergence from the full-precision cache
 
 
 def perplexity_result(nll: Sequence[float], task: PerplexityTask, kv_bytes: int, kv_tokens: int,

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from localctx.backends.evaluation import long_tasks
+from localctx.backends.evaluation.divergence import Divergence, DivergenceMeter, compare
 from localctx.backends.evaluation.long_tasks import TaskSuite
 from localctx.backends.evaluation.tasks import (NeedleResult, NeedleTask, PerplexityResult, PerplexityTask, PolicyReport,
                                           needle_grid, passkey_cells, perplexity_result, text_tokens,
@@ -133,22 +134,46 @@ class LlamaCppEvaluator:
             step = min(step, max(1, s.n_ctx - s.sinks - 1))
         return step
 
-    # -- perplexity --------------------------------------------------------------------------
+    # -- perplexity and KL divergence, every policy in lockstep -----------------------------------
     def perplexity(self, session, ids: Sequence[int], task: PerplexityTask) -> PerplexityResult:
+        return self.lockstep([session], ids, task, reference=False)[0][0]
+
+    def lockstep(self, sessions: list, ids: Sequence[int], task: PerplexityTask, reference: bool = True,
+                 on_chunk=None) -> list[tuple[PerplexityResult, Divergence | None]]:
+        """The text streamed through every session a chunk at a time, each scored against its cache as
+        it stands; with ``reference``, ``sessions[0]`` is the full-precision cache and every other
+        session's next-token distribution is compared with its on the same positions
+        (backends/evaluation/divergence.py). ``on_chunk(done, total)`` after each chunk."""
         started = time.perf_counter()
         tokens = list(ids)[:task.n_tokens]
         n = len(tokens)
-        session.reset()
-        nll = [0.0] * n  # nll[i]: -log p(token i | tokens < i)
-        step = self._step(session, task.chunk)
+        for session in sessions:
+            session.reset()
+        nll = [[0.0] * n for _ in sessions]  # nll[j][i]: -log p(token i | tokens < i) through session j
+        meters = [DivergenceMeter() for _ in sessions[1:]]
+        first = max(1, task.score_from)
+        step = min(self._step(session, task.chunk) for session in sessions)
         for start in range(0, n - 1, step):
             end = min(start + step, n - 1)
-            scored = end >= max(1, task.score_from)  # a batch whose predictions are all unscored needs one row
-            logits = self._decode(session, tokens[start:end], all_logits=scored)
+            scored = end >= first  # a batch whose predictions are all unscored needs one row
+            outs = [self._decode(session, tokens[start:end], all_logits=scored) for session in sessions]
             if scored:
-                nll[start + 1:end + 1] = next_token_nll(logits, tokens[start + 1:end + 1])
-        held, in_cache, _ = session.kv_state()
-        return perplexity_result(nll, task, held, in_cache, time.perf_counter() - started)
+                targets = tokens[start + 1:end + 1]
+                if reference:
+                    rows = compare(outs[0], outs[1:], targets, meters, first=first - 1 - start)
+                else:
+                    rows = [next_token_nll(out, targets) for out in outs]
+                for j, row in enumerate(rows):
+                    nll[j][start + 1:end + 1] = list(row)
+            if on_chunk:
+                on_chunk(end, n - 1)
+        seconds = time.perf_counter() - started
+        out = []
+        for j, session in enumerate(sessions):
+            held, in_cache, _ = session.kv_state()
+            divergence = meters[j - 1].result() if reference and j else None
+            out.append((perplexity_result(nll[j], task, held, in_cache, seconds), divergence))
+        return out
 
     # -- passkey retrieval ---------------------------------------------------------------------
     def needle(self, session, cells, task: NeedleTask) -> NeedleResult:
@@ -167,43 +192,51 @@ class LlamaCppEvaluator:
         return self.tokenizer.decode(out)
 
     # -- one policy ------------------------------------------------------------------------------
-    def report(self, policy: KVPolicy, ids: Sequence[int], ppl: PerplexityTask | None, cells: list,
-               needle: NeedleTask | None, suite: TaskSuite | None = None,
-               samples: Sequence[long_tasks.Sample] = ()) -> PolicyReport:
-        context = max([len(ids)] + [len(c[3]) + needle.answer_tokens for c in cells]
-                      + [len(s.ids) + s.answer_tokens for s in samples])
-        session = self.session(policy, context)
-        try:
-            s = session.settings
-            report = PolicyReport(str(policy), policy.exact, backend_settings={
-                "type_k": s.type_k, "type_v": s.type_v, "flash_attn": s.flash_attn, "n_ctx": s.n_ctx,
-                "swa_full": s.swa_full, "shift_chunk": s.shift_chunk,
-                "kv_alloc_bytes": s.cache().bytes(self.spec)})
-            if ppl:
-                report.perplexity = self.perplexity(session, ids, ppl)
-            if needle:
-                report.needle = self.needle(session, cells, needle)
-            if suite:
-                report.long_tasks = long_tasks.run(list(samples),
-                                                   lambda p, n: self._greedy(session, p, n, suite.chunk))
-            return report
-        finally:
-            session.close()
+    def settings(self, session) -> dict:
+        s = session.settings
+        return {"type_k": s.type_k, "type_v": s.type_v, "flash_attn": s.flash_attn, "n_ctx": s.n_ctx,
+                "swa_full": s.swa_full, "shift_chunk": s.shift_chunk, "kv_alloc_bytes": s.cache().bytes(self.spec)}
 
 
 def evaluate(evaluator: LlamaCppEvaluator, policies: Sequence[KVPolicy], ppl: PerplexityTask | None,
-             needle: NeedleTask | None, progress=None, baseline: bool = True,
+             needle: NeedleTask | None, progress=None, baseline: bool = True, on_chunk=None,
              suite: TaskSuite | None = None) -> list[PolicyReport]:
+    """Each policy's report (the full-precision cache first with ``baseline``): perplexity and, beside
+    the full-precision cache, KL divergence with every policy in lockstep; then the passkey grid and the
+    long-context tasks (``suite``), one policy at a time."""
     ordered = with_baseline(policies, baseline)
     for policy in ordered:  # refuse before anything runs
         evaluator.refuse(policy)
     ids = text_tokens(evaluator.tokenizer, ppl.n_tokens) if ppl else []
     cells = list(passkey_cells(evaluator.tokenizer, needle)) if needle else []
     samples = list(long_tasks.samples(evaluator.tokenizer, suite)) if suite else []
-    reports = []
-    for policy in ordered:
-        report = evaluator.report(policy, ids, ppl, cells, needle, suite, samples)
+    reports = [PolicyReport(str(policy), policy.exact) for policy in ordered]
+    if ppl:
+        sessions = []
+        try:
+            for policy, report in zip(ordered, reports):
+                sessions.append(evaluator.session(policy, len(ids)))
+                report.backend_settings = evaluator.settings(sessions[-1])
+            results = evaluator.lockstep(sessions, ids, ppl, reference=baseline, on_chunk=on_chunk)
+        finally:
+            for session in sessions:
+                session.close()
+        for report, (result, divergence) in zip(reports, results):
+            report.perplexity, report.divergence = result, divergence
+    for policy, report in zip(ordered, reports):
+        if needle or suite:
+            context = max([len(c[3]) + needle.answer_tokens for c in cells]
+                          + [len(s.ids) + s.answer_tokens for s in samples], default=16)
+            session = evaluator.session(policy, context)
+            try:
+                report.backend_settings = report.backend_settings or evaluator.settings(session)
+                if needle:
+                    report.needle = evaluator.needle(session, cells, needle)
+                if suite:
+                    report.long_tasks = long_tasks.run(samples,
+                                                       lambda p, n: evaluator._greedy(session, p, n, suite.chunk))
+            finally:
+                session.close()
         if progress:
             progress(report)
-        reports.append(report)
     return reports

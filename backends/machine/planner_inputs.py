@@ -9,7 +9,7 @@ from pathlib import Path
 from localctx.backends import registry
 from localctx.backends.base import Backend, Capabilities
 from localctx.backends.machine.detect import resolve_hardware
-from localctx.kvcache import calibration, cost, quality
+from localctx.kvcache import calibration, cost, kld_quality, quality, quality_calibration
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import HardwareProfile
 from localctx.kvcache.plan import Plan
@@ -35,8 +35,23 @@ def choose_backend(requested: str, hw: HardwareProfile) -> str:
     return registry.auto_name() if hw.detected else BACKEND_FOR_KIND[hw.kind]
 
 
-def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ...]]:
-    """The backend's refusals, from its class even where it cannot run (planning for another machine)."""
+def kld_table(name: str, spec: ModelSpec, model_file: Path | None) -> tuple[kld_quality.KldTable, tuple[str, ...]]:
+    """This model's KL divergence figures on backend ``name``: its calibration (``localctx plan
+    --calibrate-quality``) where one is cached for this file, else the committed priors; and a note
+    when a cached calibration was ignored."""
+    measured, notes = {}, ()
+    if model_file is not None:
+        cal, where = quality_calibration.load(model_file, name)
+        if cal is not None:
+            measured = cal.kld_figures(where)
+        elif where:
+            notes = (where,)
+    return kld_quality.KldTable(measured, kld_quality.priors_for(name, spec)), notes
+
+
+def backend_view(name: str, spec: ModelSpec, model_file: Path | None = None) -> tuple[BackendView, tuple[str, ...]]:
+    """The backend's refusals, from its class even where it cannot run (planning for another machine),
+    and this model's quality figures (``model_file``: its calibration, if cached)."""
     cls = registry.backend_class(name)
     if cls is None:
         note = (f"backend {name} is not in this build: planned with full-precision KV only",)
@@ -46,8 +61,9 @@ def backend_view(name: str, spec: ModelSpec) -> tuple[BackendView, tuple[str, ..
             for r in baseline.refusals(policy)]), note
     backend: Backend = cls()
     backend.check_model(spec)
+    kld, notes = kld_table(name, spec, model_file)
     return BackendView(name, lambda policy: backend.refusals(policy, spec), backend.kv_allocation(),
-                       backend.describe_kv, quality.load()), ()
+                       backend.describe_kv, quality.load(), kld), notes
 
 
 def calibration_name(name: str, hw: HardwareProfile) -> str:
@@ -86,14 +102,14 @@ def model_refusal(name: str, spec: ModelSpec) -> str | None:
 
 
 def planning_context(backend: str, spec: ModelSpec, hardware: str | None = None,
-                     measure: bool = True) -> PlanningContext:
+                     measure: bool = True, model_file: Path | None = None) -> PlanningContext:
     hw = resolve_hardware(hardware, measure=measure)
     name = choose_backend(backend, hw)
     fallback = ()
     if backend == "auto" and name != "llamacpp" and (why := model_refusal(name, spec)):
         fallback = (f"backend llamacpp, not {name}: {why.split(';')[0]}",)
         name = "llamacpp"
-    view, notes = backend_view(name, spec)
+    view, notes = backend_view(name, spec, model_file)
     return PlanningContext(hw, view, speed_model(name, hw), fallback + notes)
 
 
@@ -108,14 +124,20 @@ def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: Pla
                         "or choose a quantized or windowed --kv (or omit --kv to let localctx plan)")
     tok_s = ctx.speed.worst_decode_tok_s(spec, policy, context)
     layout = ctx.backend.describe(policy)
-    return Plan(backend=ctx.backend.name, policy=policy, context=context, kv_bytes=need, kv_layout=layout,
+    fig = ctx.backend.kld.figure(policy)
+    if fig is not None:
+        over = fig.mean_kld > req.max_kld
+        judged = [f"{fig.describe()}" + (f": over the --max-kld {req.max_kld:g} budget, used because --kv names it"
+                                         if over else f", within the --max-kld {req.max_kld:g} budget")]
+    else:
+        judged = [ctx.backend.quality.refusal(policy) or ctx.backend.quality.note(policy)] if policy.quantized else []
+    return Plan(quality=fig.to_dict() if fig else None, backend=ctx.backend.name, policy=policy, context=context, kv_bytes=need, kv_layout=layout,
                 weight_bytes=spec.weight_bytes, decode_tok_s=tok_s,
                 prefill_tok_s=ctx.speed.prefill_tok_s(spec, min(context, 4096)), hardware=ctx.hardware.name,
                 reasons=[f"KV policy {policy} from --kv ({layout})", b.describe(),
                          f"decode ≈ {tok_s:.0f} tok/s at {context:,} tokens ({ctx.speed.basis(policy)})",
                          f"KV {cost.format_bytes(need)} at {context:,} tokens" + layout_note(spec, policy)]
-                + ([ctx.backend.quality.refusal(policy) or ctx.backend.quality.note(policy)] if policy.quantized else [])
-                + [f"assumed: {a}" for a in spec.assumptions])
+                + judged + [f"assumed: {a}" for a in spec.assumptions])
 
 
 def make_auto_plan(ctx: PlanningContext, spec: ModelSpec, req: PlanRequest) -> Plan:

@@ -10,13 +10,13 @@ Each policy runs on a fresh cache of the same model; the caller puts the full-pr
 beside it."""
 from __future__ import annotations
 
-import math
 import time
 from typing import Sequence
 
 import torch
 
-from localctx.backends.evaluation import long_tasks, tasks
+from localctx.backends.evaluation import divergence, long_tasks, tasks
+from localctx.backends.evaluation.divergence import Divergence, DivergenceMeter, compare
 from localctx.backends.evaluation.long_tasks import TaskSuite
 from localctx.backends.evaluation.tasks import (FILLER, INTRO, QUESTION, NeedleResult, NeedleTask,  # noqa: F401
                                           PerplexityResult, PerplexityTask, PolicyReport, long_text, text_tokens,
@@ -49,27 +49,39 @@ class PolicyEvaluator:
         finally:
             cache.end_step()
 
-    # -- perplexity --------------------------------------------------------------------------
+    # -- perplexity and KL divergence, every policy in lockstep -----------------------------------
     def perplexity(self, policy: KVPolicy, ids: Sequence[int], task: PerplexityTask) -> PerplexityResult:
+        return self.lockstep([policy], ids, task, reference=False)[0][0]
+
+    def lockstep(self, policies: Sequence[KVPolicy], ids: Sequence[int], task: PerplexityTask,
+                 reference: bool = True, on_chunk=None) -> list[tuple[PerplexityResult, Divergence | None]]:
+        """The text streamed through a fresh cache per policy a chunk at a time, each scored against
+        its cache as it stands; with ``reference``, ``policies[0]`` is the full-precision cache and
+        every other policy's next-token distribution is compared with its on the same positions
+        (backends/evaluation/divergence.py). ``on_chunk(done, total)`` after each chunk."""
         started = time.perf_counter()
         tokens = torch.tensor(list(ids)[:task.n_tokens], dtype=torch.long)
         n = tokens.numel()
-        cache = self._cache(policy, n)
-        nll = torch.zeros(n, dtype=torch.float64)  # nll[i]: -log p(token i | tokens < i)
+        caches = [self._cache(policy, n) for policy in policies]
+        nll = [[0.0] * n for _ in policies]  # nll[j][i]: -log p(token i | tokens < i) through cache j
+        meters = [DivergenceMeter() for _ in policies[1:]]
+        first = max(1, task.score_from)
         for start in range(0, n - 1, task.chunk):
             end = min(start + task.chunk, n - 1)
-            logits = self._forward(cache, tokens[start:end], all_logits=True)
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            target = tokens[start + 1:end + 1]
-            nll[start + 1:end + 1] = -logp.gather(1, target[:, None].to(logp.device))[:, 0].double().cpu()
-        lo = max(1, task.score_from)
-        segments = []
-        if task.segment:
-            for a in range(lo, n, task.segment):
-                b = min(n, a + task.segment)
-                segments.append((a, b, math.exp(float(nll[a:b].mean()))))
-        return PerplexityResult(math.exp(float(nll[lo:n].mean())), n - lo, segments, cache.kv_bytes(0),
-                                cache.kv_tokens(0), time.perf_counter() - started)
+            outs = [self._forward(cache, tokens[start:end], all_logits=True).float().cpu().numpy()
+                    for cache in caches]
+            targets = tokens[start + 1:end + 1].tolist()
+            if reference:
+                rows = compare(outs[0], outs[1:], targets, meters, first=first - 1 - start)
+            else:
+                rows = [divergence.compare(out, [], targets, [])[0] for out in outs]
+            for j, row in enumerate(rows):
+                nll[j][start + 1:end + 1] = row.tolist()
+            if on_chunk:
+                on_chunk(end, n - 1)
+        seconds = time.perf_counter() - started
+        return [(tasks.perplexity_result(nll[j], task, cache.kv_bytes(0), cache.kv_tokens(0), seconds),
+                 meters[j - 1].result() if reference and j else None) for j, cache in enumerate(caches)]
 
     # -- passkey retrieval ---------------------------------------------------------------------
     def passkey_prompt(self, length: int, depth: float, key: str) -> list[int]:
@@ -94,20 +106,24 @@ class PolicyEvaluator:
 
 
 def evaluate(evaluator: PolicyEvaluator, policies: Sequence[KVPolicy], ppl: PerplexityTask | None,
-             needle: NeedleTask | None, progress=None, baseline: bool = True,
+             needle: NeedleTask | None, progress=None, baseline: bool = True, on_chunk=None,
              suite: TaskSuite | None = None) -> list[PolicyReport]:
-    ids = text_tokens(evaluator.tokenizer, ppl.n_tokens) if ppl else []
+    """Each policy's report (the full-precision cache first with ``baseline``): perplexity and, beside
+    the full-precision cache, KL divergence with every policy in lockstep; then the passkey grid and the
+    long-context tasks (``suite``)."""
+    ordered = with_baseline(policies, baseline)
+    reports = [PolicyReport(str(policy), policy.exact) for policy in ordered]
+    if ppl:
+        ids = text_tokens(evaluator.tokenizer, ppl.n_tokens)
+        results = evaluator.lockstep(ordered, ids, ppl, reference=baseline, on_chunk=on_chunk)
+        for report, (result, div) in zip(reports, results):
+            report.perplexity, report.divergence = result, div
     samples = list(long_tasks.samples(evaluator.tokenizer, suite)) if suite else []
-    reports = []
-    for policy in with_baseline(policies, baseline):
-        report = PolicyReport(str(policy), policy.exact)
-        if ppl:
-            report.perplexity = evaluator.perplexity(policy, ids, ppl)
+    for policy, report in zip(ordered, reports):
         if needle:
             report.needle = evaluator.needle(policy, needle)
         if suite:
             report.long_tasks = long_tasks.run(samples, lambda p, n: evaluator._greedy(policy, p, n, suite.chunk))
         if progress:
             progress(report)
-        reports.append(report)
     return reports

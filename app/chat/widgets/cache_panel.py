@@ -9,6 +9,7 @@ from textual.widgets import Label, Static
 
 from localctx.app.chat.figures import CacheFigures
 from localctx.kvcache.cost import format_bytes
+from localctx.kvcache.kld_quality import CALIBRATED_BACKENDS, short_words
 
 BAR_WIDTH = 24
 STATE_LABELS = {"starting": "loading the model…", "idle": "ready", "prefilling": "reading the prompt…", "streaming": "answering…",
@@ -88,7 +89,12 @@ class CachePanel(VerticalScroll):
         badge = Text(" EXACT " if f.exact else " LOSSY ", style="bold black on green" if f.exact
                      else "bold black on dark_orange")
         self._put("policy", Text.assemble((f.policy + " ", "bold"), badge))
-        self._put("policy-detail", f.facts.plan.kv_layout.split(": ", 1)[-1])
+        detail = f.facts.plan.kv_layout.split(": ", 1)[-1]
+        # a lossy plan's KL figure, or where none is known the hint to measure it, on a backend
+        # `plan --calibrate-quality` measures (not a remote server's cache, nor the fake backend's)
+        plan = f.facts.plan
+        judged = not f.exact and (plan.quality or plan.backend in CALIBRATED_BACKENDS)
+        self._put("policy-detail", f"{detail}\n{short_words(plan.quality)}" if judged else detail)
         self._put("kv-bar", bar(f.kv_bytes, f.kv_budget))
         self._put("kv", f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_budget)} planned" if f.kv_allocated >= f.kv_budget
                   else f"{format_bytes(f.kv_bytes)} of {format_bytes(f.kv_allocated)} allocated, "

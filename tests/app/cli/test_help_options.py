@@ -13,7 +13,7 @@ import pytest
 
 from localctx.app import cli as cli_module
 from localctx.app import session_options
-from localctx.app.commands import bench, chat, eval as eval_command, plan, pull, serve
+from localctx.app.commands import bench, chat, eval as eval_command, plan, pull, run, serve
 
 ROOT = Path(__file__).resolve().parents[3]
 SAVED_BENCH = ROOT / "docs" / "results" / "bench" / "bench.json"
@@ -99,6 +99,7 @@ def option_argv(command: str, option: str, takes_value: bool, tmp_path: Path) ->
         ("bench", "--from-json"): ["--from-json", str(SAVED_BENCH), "--no-plots"],
         ("bench", "--doc"): ["--doc", str(tmp_path / "page.md")],
         ("models", "--json"): ["--json"],
+        ("plan", "--calibrate-quality"): ["--calibrate-quality", "--backend", "llamacpp"],
     }
     samples = {
         "--model": ["-m", str(bundled_default_path())],
@@ -109,6 +110,7 @@ def option_argv(command: str, option: str, takes_value: bool, tmp_path: Path) ->
         "--context": ["--context", "512"],
         "--min-tok-s": ["--min-tok-s", "1"],
         "--max-memory": ["--max-memory", "4GB"],
+        "--max-kld": ["--max-kld", "0.2"],
         "--cache-reuse": ["--backend", "llamacpp", "--cache-reuse", "64"],
         "--system": ["--system", "Be brief."],
         "--max-tokens": ["--max-tokens", "8"],
@@ -177,11 +179,14 @@ def stand_ins(monkeypatch):
 
     monkeypatch.setattr(remote, "open_remote", accepted)
     planned = checked_then_accepted(session_options.plan_session)
-    for module in (session_options, chat, serve):  # run and summarize reach it through open_session
+    for module in (session_options, chat, serve, run):  # summarize reaches it through open_session
         monkeypatch.setattr(module, "plan_session", planned)
     monkeypatch.setattr(eval_command, "resolve_model", checked_then_accepted(eval_command.resolve_model))
     monkeypatch.setattr(bench, "resolve_model", checked_then_accepted(bench.resolve_model))
     monkeypatch.setattr(plan, "calibrate_and_save", accepted)
+    from localctx.backends.evaluation import calibrate_quality
+
+    monkeypatch.setattr(calibrate_quality, "calibrate", accepted)
     monkeypatch.setattr(pull, "hub_offline", lambda: False)
     import huggingface_hub
 

@@ -126,3 +126,66 @@ def test_score_from_scores_only_the_later_predictions(tiny, capsys):
     expected = one_batch_nll(tiny, ids)[149:]  # predictions of tokens 150..199
     ppl = data["policies"][0]["perplexity"]
     assert ppl["scored"] == 50 and ppl["ppl"] == pytest.approx(math.exp(expected.mean()), rel=1e-5)
+
+
+# -- KL divergence from the full-precision cache ----------------------------------------------------
+def test_two_full_precision_sessions_in_lockstep_diverge_by_exactly_zero(tiny):
+    from localctx.backends.evaluation.tasks import PerplexityTask
+    from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator
+    from localctx.kvcache.policy import KVPolicy
+
+    ev = LlamaCppEvaluator(resolve(str(tiny)), threads=1)
+    ids = text_tokens(ev.tokenizer, 150)
+    sessions = [ev.session(KVPolicy(), 150), ev.session(KVPolicy(), 150)]
+    try:
+        (_, none), (_, same) = ev.lockstep(sessions, ids, PerplexityTask(150, 32))
+    finally:
+        for s in sessions:
+            s.close()
+    assert none is None
+    assert same.mean_kld == 0.0 and same.p99_kld == 0.0 and same.top1 == 1.0 and same.scored == 149
+
+
+def test_q4_0_kld_matches_numpy_against_one_batch_full_precision_logits(tiny, capsys, monkeypatch):
+    from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator
+
+    seen = []  # every session's logits, in lockstep order: fp16, q8_0, q4_0 per chunk
+    decode = LlamaCppEvaluator._decode
+
+    def spy(session, batch, all_logits):
+        out = decode(session, batch, all_logits)
+        seen.append(np.array(out, dtype=np.float64))
+        return out
+
+    monkeypatch.setattr(LlamaCppEvaluator, "_decode", staticmethod(spy))
+    data = run_eval(capsys, "-m", str(tiny), "--tokens", "160", "--chunk", "32", "--kv", "int8", "--kv", "int4",
+                    "--no-needle")
+    rows = {r["policy"]: r for r in data["policies"]}
+    assert rows["fp16"]["divergence"] is None  # the reference itself
+    d8, d4 = rows["int8"]["divergence"], rows["int4"]["divergence"]
+    assert 0 < d8["mean_kld"] < d4["mean_kld"]  # lossy, and q4_0 more than q8_0
+    ids = text_tokens(LlamaCppTokenizer(resolve(str(tiny))), 160)
+    ref = one_batch_logits(tiny, ids)
+    q4 = np.concatenate(seen[2::3])
+    lp = ref - ref.max(1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(1, keepdims=True))
+    lq = q4 - q4.max(1, keepdims=True)
+    lq -= np.log(np.exp(lq).sum(1, keepdims=True))
+    kl = (np.exp(lp) * (lp - lq)).sum(1)
+    assert d4["scored"] == 159
+    assert d4["mean_kld"] == pytest.approx(kl.mean(), rel=2e-3, abs=1e-6)
+    assert d4["p99_kld"] == pytest.approx(np.percentile(kl, 99), rel=2e-3, abs=1e-6)
+    assert d4["top1"] == pytest.approx((lp.argmax(1) == lq.argmax(1)).mean(), abs=1 / 159)
+    assert d4["ppl"] == pytest.approx(rows["int4"]["perplexity"]["ppl"], rel=1e-9)
+
+
+def one_batch_logits(path, ids: list[int]) -> np.ndarray:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=1024, n_batch=1024, n_ubatch=1024, logits_all=True, n_threads=1,
+                verbose=False)
+    try:
+        llm.eval(ids)
+        return np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)
+    finally:
+        llm.close()

@@ -1,0 +1,90 @@
+"""``localctx plan --calibrate-quality``: what every lossy KV format a backend offers costs the model at
+hand (docs/quality.md "KL divergence"). Built-in text (pydoc_data.topics, no download) streams
+through the full-precision cache and every format's cache in lockstep (backends/evaluation/
+divergence.py); the result is cached per model file identity and backend
+(kvcache/quality_calibration.py), and the planner's quality budget reads it from then on.
+
+This shared module picks the engine's evaluator by name, as backends/registry.py picks a backend."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+from localctx.backends.evaluation.tasks import PerplexityTask
+from localctx.backends.models.ref import ModelRef
+from localctx.kvcache.calibration import load_note
+from localctx.kvcache.errors import UserError
+from localctx.kvcache.model_spec import ModelSpec
+from localctx.kvcache.policy import KVPolicy
+from localctx.kvcache.quality import format_key
+from localctx.kvcache.quality_calibration import QualityCalibration, identity
+
+TOKENS = 2048  # scored tokens of text per format (every format streams the same tokens)
+CHUNK = 256  # tokens per forward
+FORMATS = ("int8", "k8v4", "kf16v4", "int4+res128", "int4")  # those the backend does not refuse are measured
+
+
+def progress_bar(out=sys.stderr, width: int = 30) -> Callable[[int, int], None]:
+    """``(done, total)`` → one redrawn line: a bar, tokens streamed, elapsed seconds."""
+    started = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        filled = round(width * done / max(total, 1))
+        out.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done:,}/{total:,} tokens "
+                  f"{time.perf_counter() - started:5.0f} s")
+        if done >= total:
+            out.write("\n")
+        out.flush()
+
+    return show
+
+
+def formats_for(backend: str, spec: ModelSpec) -> list[KVPolicy]:
+    from localctx.backends import registry
+
+    engine = registry.backend_class(backend)()
+    return [p for p in map(KVPolicy.parse, FORMATS) if not engine.refusals(p, spec)]
+
+
+def run_evaluation(backend: str, ref: ModelRef, policies: list[KVPolicy], task: PerplexityTask, on_chunk,
+                   threads: int | None = None):
+    """The engine's evaluator over the full-precision cache and ``policies``, in lockstep."""
+    if backend == "llamacpp":
+        from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator, evaluate
+
+        return evaluate(LlamaCppEvaluator(ref, threads=threads), policies, task, None, on_chunk=on_chunk)
+    if backend == "torch":
+        from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
+        from localctx.backends.torch.loading import TorchOptions, load_model
+
+        loaded = load_model(ref, TorchOptions.from_env())
+        return evaluate(PolicyEvaluator(loaded.model, loaded.tokenizer), policies, task, None, on_chunk=on_chunk)
+    raise UserError(f"--calibrate-quality measures the llamacpp or torch backend, not {backend}; "
+                    "add --backend llamacpp or --backend torch")
+
+
+def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int = TOKENS, on_chunk=None,
+              threads: int | None = None) -> QualityCalibration:
+    if ref.kind not in ("gguf", "hf"):
+        raise UserError(f"--calibrate-quality measures a local model file; {ref.name} is not one")
+    policies = formats_for(backend, spec)
+    if not policies:
+        raise UserError(f"the {backend} backend offers no lossy KV format for {spec.name}: nothing to calibrate")
+    started = time.perf_counter()
+    ident = identity(ref.path)  # before the run: a file replaced meanwhile does not get this result
+    reports = run_evaluation(backend, ref, policies, PerplexityTask(tokens + 1, CHUNK), on_chunk, threads)
+    wall = time.perf_counter() - started
+    figures = {}
+    for report in reports[1:]:
+        d = report.divergence
+        figures[format_key(KVPolicy.parse(report.policy))] = {
+            "mean_kld": d.mean_kld, "p99_kld": d.p99_kld, "top1": d.top1, "ppl_delta_pct": d.ppl_delta_pct,
+            "tokens": d.scored}
+    return QualityCalibration(
+        backend, ident, figures,
+        command=f"localctx plan --calibrate-quality -m {ref.path} --backend {backend}",
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        note=f"{tokens:,} tokens of pydoc_data.topics per format in {wall:.0f} s; {load_note()}",
+        extra={"model_name": spec.name, "head_dim": spec.head_dim, "n_params": spec.n_params,
+               "reference_ppl": reports[0].perplexity.ppl, "wall_s": round(wall, 1)})

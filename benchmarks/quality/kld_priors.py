@@ -1,0 +1,82 @@
+"""The planner's KL divergence priors (assets/kv_quality_kld.json) from committed quality calibrations,
+and the table in docs/quality.md ("KL divergence"), both by code from the same JSON.
+
+    python benchmarks/quality/kld_priors.py docs/results/quality/kld-*.json            # writes the asset
+    python benchmarks/quality/kld_priors.py --markdown docs/results/quality/kld-*.json # prints the table
+
+Each input is a calibration file as ``localctx plan --calibrate-quality`` writes it (the user cache's
+quality/ folder), copied under docs/results/quality/. A prior is keyed backend/format/hdHEADDIM/SIZECLASS
+(kvcache/kld_quality.py); two calibrations of the same key keep the larger KL divergence."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from localctx.kvcache.kld_quality import PRIORS_ASSET, prior_key, size_class
+
+ROOT = Path(__file__).resolve().parents[2]
+ABOUT = ("Priors for the planner's quality budget (kvcache/kld_quality.py): mean and 99th-percentile KL divergence "
+         "(nats per token) of the next-token distribution from the full-precision cache's, and top-1 agreement, "
+         "keyed backend/format/hdHEADDIM/SIZECLASS. Written by python benchmarks/quality/kld_priors.py from the "
+         "calibrations under docs/results/quality/ (docs/quality.md, KL divergence); each row names its model, "
+         "command and result file.")
+
+
+def shape(data: dict) -> dict:
+    """head_dim and n_params: from the calibration, or (older files) read from the model file it names."""
+    if "head_dim" in data:
+        return data
+    from localctx.backends.models.ref import resolve
+    from localctx.backends.models.spec_reader import read_spec
+
+    spec = read_spec(resolve(data["model"]["file"]))
+    return data | {"head_dim": spec.head_dim, "n_params": spec.n_params}
+
+
+def rows(paths: list[Path]):
+    for path in paths:
+        data = shape(json.loads(path.read_text()))
+        for fmt, f in data["figures"].items():
+            yield path, data, fmt, f
+
+
+def priors(paths: list[Path]) -> dict:
+    out = {}
+    for path, data, fmt, f in rows(paths):
+        key = prior_key(data["backend"], fmt, int(data["head_dim"]), int(data["n_params"]))
+        row = {"mean_kld": f["mean_kld"], "p99_kld": f["p99_kld"], "top1": f["top1"],
+               "ppl_delta_pct": f["ppl_delta_pct"], "tokens": f["tokens"], "model": data["model_name"],
+               "command": data["command"].replace(data["model"]["file"], Path(data["model"]["file"]).name),
+               "result": path.relative_to(ROOT).as_posix() if path.is_absolute() else path.as_posix()}
+        if key not in out or row["mean_kld"] > out[key]["mean_kld"]:
+            out[key] = row
+    return dict(sorted(out.items()))
+
+
+def markdown(paths: list[Path]) -> str:
+    lines = ["| model | backend | head dim, size | format | KLD mean (nats) | KLD p99 | top-1 | ppl vs fp16 |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for _, data, fmt, f in rows(paths):
+        lines.append(f"| {data['model_name']} | {data['backend']} | {data['head_dim']}, "
+                     f"{size_class(int(data['n_params']))} | {fmt} | {f['mean_kld']:.4f} | {f['p99_kld']:.3f} | "
+                     f"{f['top1']:.1%} | {f['ppl_delta_pct']:+.2f}% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("calibrations", nargs="+", type=Path)
+    ap.add_argument("--markdown", action="store_true", help="print the docs table instead of writing the asset")
+    args = ap.parse_args()
+    paths = [p.resolve() for p in args.calibrations]
+    if args.markdown:
+        print(markdown(paths))
+        return
+    target = ROOT / "assets" / PRIORS_ASSET
+    target.write_text(json.dumps({"about": ABOUT, "priors": priors(paths)}, indent=2) + "\n")
+    print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()

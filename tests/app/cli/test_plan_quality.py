@@ -1,0 +1,120 @@
+"""``localctx plan`` with a model's quality calibration (kvcache/quality_calibration.py) on a tiny GGUF:
+under a --max-memory where only llama.cpp's q4_0 would hold the whole context, a calibration that
+says q4_0 is over the --max-kld budget keeps the plan off it, and plan --json shows the measured
+figure for each rejected format; a damaged calibration is ignored with a note; run and chat offer
+calibration once for a lossy plan of an uncalibrated model."""
+import json
+
+import pytest
+from gguf_tiny import TinyGGUF, write
+
+pytest.importorskip("llama_cpp")
+
+from localctx.app.session_options import PlannedSession, calibration_offer  # noqa: E402
+from localctx.backends.machine.planner_inputs import planning_context  # noqa: E402
+from localctx.backends.models.ref import resolve  # noqa: E402
+from localctx.backends.models.spec_reader import read_spec  # noqa: E402
+from localctx.kvcache import quality_calibration  # noqa: E402
+from localctx.kvcache.plan import Plan  # noqa: E402
+from localctx.kvcache.planner import PlanRequest, budget  # noqa: E402
+from localctx.kvcache.policy import KVPolicy  # noqa: E402
+
+FIGURES = {"int8": 0.002, "k8v4": 0.01, "kf16v4": 0.008, "int4": 0.9}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = TinyGGUF("llama", n_heads=2, n_kv_heads=1, head_dim=32, context=32768)
+    return write(tmp_path_factory.mktemp("planq") / "llama.gguf", cfg, seed=3)
+
+
+def calibrate(model, figures=FIGURES):
+    cal = quality_calibration.QualityCalibration("llamacpp", quality_calibration.identity(model), {
+        fmt: {"mean_kld": kld, "p99_kld": kld * 8, "top1": 1 - kld, "ppl_delta_pct": kld * 100, "tokens": 2048}
+        for fmt, kld in figures.items()})
+    return quality_calibration.save(cal, model)
+
+
+def only_int4_fits(model) -> str:
+    """A --max-memory whose KV budget lies between q4_0's bytes and k8v4's for the whole context."""
+    spec = read_spec(resolve(str(model)))
+    ctx = planning_context("llamacpp", spec, hardware="cpu-24gb")
+    need = {p: ctx.backend.kv_bytes(spec, KVPolicy.parse(p), spec.context_length) for p in ("int4", "k8v4")}
+    probe = budget(ctx.hardware, spec, PlanRequest(max_memory=1 << 40), ctx.backend)
+    cap = spec.weight_bytes + probe.runtime + 256 * 2**20 + (need["int4"] + need["k8v4"]) // 2
+    assert cap * 0.05 < 256 * 2**20  # the safety margin stays its 256 MiB minimum
+    return f"{cap}B"
+
+
+def plan_json(cli, model, *more) -> dict:
+    r = cli("plan", "-m", str(model), "--backend", "llamacpp", "--hardware", "cpu-24gb", "--json", *more)
+    assert r.code == 0, r.err
+    return json.loads(r.out)
+
+
+def test_over_budget_q4_0_is_not_planned_where_only_it_holds_the_context(cli, tiny):
+    cap = only_int4_fits(tiny)
+    uncalibrated = plan_json(cli, tiny, "--max-memory", cap)["plan"]
+    assert uncalibrated["policy"] == "int4" or "int4" in {r["policy"] for r in uncalibrated["rejected"]}
+    calibrate(tiny)
+    plan = plan_json(cli, tiny, "--max-memory", cap)["plan"]
+    assert not plan["policy"].startswith("int4") and "win" in plan["policy"]  # a window instead
+    rejected = {r["policy"]: r for r in plan["rejected"]}
+    assert "over the --max-kld 0.05 budget" in rejected["int4"]["reason"]
+    assert rejected["int4"]["quality"]["basis"] == "measured" and rejected["int4"]["quality"]["mean_kld"] == 0.9
+    assert rejected["int8"]["quality"]["mean_kld"] == 0.002  # rejected for memory, its figure beside
+    assert any("over the --max-kld 0.05 budget: int4 (0.900 measured)" in r for r in plan["reasons"])
+    raised = plan_json(cli, tiny, "--max-memory", cap, "--max-kld", "1")["plan"]
+    assert raised["policy"] == "int4" and raised["quality"]["mean_kld"] == 0.9
+
+
+def test_plan_text_shows_the_chosen_figure_and_each_rejected_one(cli, tiny):
+    calibrate(tiny)
+    r = cli("plan", "-m", str(tiny), "--backend", "llamacpp", "--hardware", "cpu-24gb", "--max-memory",
+            only_int4_fits(tiny))
+    assert r.code == 0, r.err
+    assert "int4: KLD 0.9000 nats/token (p99 7.200), top-1 10.0%, measured:" in r.out
+    assert "quality: KLD 0.0020 nats/token" in r.out  # int8, refused for memory
+
+
+def test_a_damaged_calibration_is_ignored_with_a_note(cli, tiny):
+    path = calibrate(tiny)
+    quality_calibration.write_private(path, "{not json")
+    plan = plan_json(cli, tiny)["plan"]
+    assert any(r.startswith("note: quality calibration") and "ignored (damaged" in r for r in plan["reasons"])
+    assert all((r["quality"] or {}).get("basis") != "measured" for r in plan["rejected"])
+
+
+def test_run_and_chat_offer_calibration_once_for_a_lossy_plan_of_an_uncalibrated_model(tiny, tmp_path):
+    model = tmp_path / "copy.gguf"
+    model.write_bytes(tiny.read_bytes())
+    ref, spec = resolve(str(model)), read_spec(resolve(str(model)))
+    lossy = PlannedSession(ref, spec, Plan.fixed("llamacpp", spec, KVPolicy.parse("int8"), 1024))
+    exact = PlannedSession(ref, spec, Plan.fixed("llamacpp", spec, KVPolicy(), 1024))
+    assert calibration_offer(exact) is None
+    line = calibration_offer(lossy)
+    assert line and "--calibrate-quality -m" in line and "\n" not in line
+    assert calibration_offer(lossy) is None  # once
+    other = tmp_path / "other.gguf"
+    other.write_bytes(tiny.read_bytes() + b"\0")
+    calibrate(other)
+    plan = Plan.fixed("llamacpp", spec, KVPolicy.parse("int8"), 1024)
+    plan.quality = {"basis": "measured"}
+    planned = PlannedSession(resolve(str(other)), spec, plan)
+    assert calibration_offer(planned) is None  # measured: nothing to offer
+
+
+def test_run_json_stats_carry_the_chosen_formats_figure_and_the_offer_is_made_once(cli, tiny, tmp_path):
+    model = tmp_path / "run.gguf"
+    model.write_bytes(tiny.read_bytes())
+    argv = ("run", "-m", str(model), "--backend", "llamacpp", "--kv", "int8", "--context", "256",
+            "--max-tokens", "2", "--raw", "--json", "the river")
+    first = cli(*argv)
+    assert first.code == 0, first.err
+    assert json.loads(first.out)["stats"]["kv_quality"] is None  # nothing measured, no prior for this shape
+    assert first.err.count("--calibrate-quality") == 1
+    calibrate(model)
+    second = cli(*argv)
+    assert second.code == 0, second.err
+    assert json.loads(second.out)["stats"]["kv_quality"]["mean_kld"] == 0.002
+    assert "--calibrate-quality" not in second.err
