@@ -2,8 +2,9 @@
 prompt and max tokens (greedy), each in a fresh process:
 
 - decode: `localctx run` (its own stats line, and tokens ÷ the time between its first and last
-  answer bytes on stdout) against the chat app driven headless with Textual's pilot (the answer's
-  own stats, and tokens ÷ the time between the first and the last frame that drew answer text);
+  answer bytes on stdout) against the chat app driven headless with Textual's pilot, its model in
+  a child process as `localctx chat` runs it (the answer's own stats, and tokens ÷ the time between
+  the first and the last frame that drew answer text);
 - startup: `localctx chat` in a tmux terminal, launch → the panel says "ready", against
   `localctx run`, launch → its first answer byte on stdout.
 
@@ -43,17 +44,19 @@ import asyncio, json, sys, time
 from localctx.app.chat.app import ChatApp
 from localctx.app.chat.setup import ChatSetup
 from localctx.app.chat.widgets.conversation import Answer
+from localctx.app.chat.worker_process import Opener
 from localctx.app.commands.chat import describe_hardware
 from localctx.app.history import History
 from localctx.app.session_options import SessionRequest, plan_session
 from localctx.backends.base import GenerationParams
 
 model, kv, prompt, max_tokens = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
-planned = plan_session(SessionRequest(model=model, backend="llamacpp", kv=kv))
+request = SessionRequest(model=model, backend="llamacpp", kv=kv)
+planned = plan_session(request)
 history, _ = History.open()
 app = ChatApp(ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name, reopen=None,
                         history=history, params=GenerationParams(max_tokens=max_tokens, temperature=0.0),
-                        hardware=describe_hardware()))
+                        hardware=describe_hardware(), opener=Opener(planned, request)))
 stamps = []
 real_append = Answer.append
 async def append(self, fragment):
