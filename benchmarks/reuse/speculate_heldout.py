@@ -54,6 +54,24 @@ def run_once(model: str, prompt: str, speculate: str, max_tokens: int, env: dict
             "verify_cost_ratio": s["verify_cost_ratio"], "speculate": s["speculate"]}
 
 
+def write(out: Path, args: argparse.Namespace, rows: dict[str, list[dict]]) -> dict:
+    summary = {name: {"pairs": len(p), "median_ratio": round(statistics.median(x["ratio"] for x in p), 3),
+                      "all_identical": all(x["identical"] for x in p),
+                      "median_tokens_per_step": round(statistics.median(x["ngram"]["tokens_per_step"] for x in p), 3),
+                      "median_verify_cost_ratio": round(statistics.median(x["ngram"]["verify_cost_ratio"] for x in p), 3),
+                      "median_off_tok_s": round(statistics.median(x["off"]["decode_tok_s"] for x in p), 2),
+                      "median_ngram_tok_s": round(statistics.median(x["ngram"]["decode_tok_s"] for x in p), 2)}
+               for name, p in rows.items() if p}
+    doc = {"command": "python benchmarks/reuse/speculate_heldout.py " + " ".join(sys.argv[1:]),
+           "model": Path(args.model).name, "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
+           "prompts": {name: PROMPTS[name] for name in rows}, "load_average_at_end": os.getloadavg(),
+           "summary": summary, "pairs": rows}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(out)
+    return summary
+
+
 def main() -> int:
     from localctx.backends.models.ref import bundled_default_path
 
@@ -67,9 +85,10 @@ def main() -> int:
     env = dict(os.environ)
     rows: dict[str, list[dict]] = {name: [] for name in args.prompts.split(",")}
     out = Path(args.json)
+    summary: dict = {}
     for i in range(args.pairs):
         for name, pairs in rows.items():  # prompts interleaved too: a load spike hits both tasks
-            order = ("off", "ngram") if (i + len(pairs)) % 2 == 0 else ("ngram", "off")
+            order = ("off", "ngram") if i % 2 == 0 else ("ngram", "off")  # alternates: neither side always first
             pair: dict = {"order": list(order), "started": time.strftime("%H:%M:%S"),
                           "load_average": round(os.getloadavg()[0], 2)}
             for side in order:
@@ -80,20 +99,7 @@ def main() -> int:
                 pair[side].pop("text")
             pairs.append(pair)
             print(name, json.dumps(pair), file=sys.stderr)
-        summary = {name: {"pairs": len(p), "median_ratio": round(statistics.median(x["ratio"] for x in p), 3),
-                          "all_identical": all(x["identical"] for x in p),
-                          "median_tokens_per_step": round(statistics.median(x["ngram"]["tokens_per_step"] for x in p), 3),
-                          "median_verify_cost_ratio": round(statistics.median(x["ngram"]["verify_cost_ratio"] for x in p), 3),
-                          "median_off_tok_s": round(statistics.median(x["off"]["decode_tok_s"] for x in p), 2),
-                          "median_ngram_tok_s": round(statistics.median(x["ngram"]["decode_tok_s"] for x in p), 2)}
-                   for name, p in rows.items()}
-        doc = {"command": "python benchmarks/reuse/speculate_heldout.py " + " ".join(sys.argv[1:]),
-               "model": Path(args.model).name, "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
-               "prompts": {name: PROMPTS[name] for name in rows}, "load_average_at_end": os.getloadavg(),
-               "summary": summary, "pairs": rows}
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(out)  # after every round: a run cut short keeps its pairs
+            summary = write(out, args, rows)  # after every pair: a run cut short keeps its pairs
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -236,7 +236,8 @@ def median(values: list[float]) -> float:
 
 def write(out: Path, args: argparse.Namespace, pairs: list[dict]) -> dict:
     """Writes what was measured so far (after every pair: a long run cut short keeps its pairs)."""
-    summary = {key: median([p[key] for p in pairs]) for key in ("decode_ratio", "wall_ratio", "ready_over_run_startup")}
+    summary = {key: median([p[key] for p in pairs]) for key in ("decode_ratio", "wall_ratio", "ready_over_run_startup")
+               if key in pairs[0]}
     result = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "prompt": PROMPT,
               "max_tokens": args.max_tokens, "model": Path(args.model).name, "cpus": os.cpu_count(),
               "load_average_at_end": os.getloadavg(), "pairs": pairs, "median": summary}
@@ -255,6 +256,7 @@ def main() -> None:
     ap.add_argument("--kv", default=None, help="KV policy for both (default: planned)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--out", default=None, help="JSON path (default docs/results/run-chat/benchmarks-chat.json, -ui.json with --ui-cost)")
+    ap.add_argument("--no-ready", action="store_true", help="skip the tmux startup timing (decode only)")
     ap.add_argument("--ui-cost", action="store_true", help="measure the UI thread's cost per token instead (no model)")
     args = ap.parse_args()
     if args.ui_cost:
@@ -273,10 +275,12 @@ def main() -> None:
                     pair["run"] = run_answer(args.model, args.kv, args.max_tokens, env)
                 else:
                     pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env)
-                    pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
+                    if not args.no_ready:
+                        pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
             pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
             pair["wall_ratio"] = round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
-            pair["ready_over_run_startup"] = round(pair["chat"]["ready_s"] / pair["run"]["startup_s"], 3)
+            if not args.no_ready:
+                pair["ready_over_run_startup"] = round(pair["chat"]["ready_s"] / pair["run"]["startup_s"], 3)
             pairs.append(pair)
             print(json.dumps(pair), file=sys.stderr)
             summary = write(Path(args.out), args, pairs)
@@ -287,7 +291,7 @@ def main() -> None:
         r, c = p["run"], p["chat"]
         print(f"| {i} | {r['decode_tok_s']:.1f} | {c['decode_tok_s']:.1f} | {p['decode_ratio']:.2f} | "
               f"{r['wall_tok_s']:.1f} | {c['wall_tok_s']:.1f} | {p['wall_ratio']:.2f} | {r['startup_s']:.2f} | "
-              f"{c['ready_s']:.2f} | {p['ready_over_run_startup']:.2f} |")
+              f"{c.get('ready_s', float('nan')):.2f} | {p.get('ready_over_run_startup', float('nan')):.2f} |")
     print(f"medians: {summary}")
 
 
