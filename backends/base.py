@@ -87,6 +87,9 @@ class GenerationStats:
     decode_steps: int = 0  # forwards after prefill (a speculative one may yield several tokens)
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # drafted tokens the model agreed with
+    # the mean time of this answer's verify steps (a draft with the pending token) over the mean of its
+    # plain one-token steps; 0.0 until both kinds ran
+    verify_cost_ratio: float = 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -110,6 +113,7 @@ class GenerationStats:
         d["prefill_tok_s"] = round(self.prefill_tok_s, 2)
         d["decode_tok_s"] = round(self.decode_tok_s, 2)
         d["tokens_per_step"] = round(self.tokens_per_step, 3)
+        d["verify_cost_ratio"] = round(self.verify_cost_ratio, 3)
         return d
 
 
@@ -286,6 +290,7 @@ class StatsClock:
     decode_steps: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    verify_cost_ratio: float = 0.0
 
     def stats(self, kv_bytes: int, kv_tokens: int, evicted: int = 0) -> GenerationStats:
         return GenerationStats(backend=self.backend, policy=self.policy, prompt_tokens=self.prompt_tokens,
@@ -295,7 +300,7 @@ class StatsClock:
                                prefill_s=self.prefill_s, decode_s=self.decode_s, kv_bytes=kv_bytes,
                                kv_tokens=kv_tokens, evicted_tokens=evicted, speculate=self.speculate,
                                decode_steps=self.decode_steps, drafted_tokens=self.drafted_tokens,
-                               accepted_tokens=self.accepted_tokens)
+                               accepted_tokens=self.accepted_tokens, verify_cost_ratio=self.verify_cost_ratio)
 
 
 def with_template_stops(prompt: Prompt, params: GenerationParams, stops: tuple[str, ...]) -> GenerationParams:

@@ -109,6 +109,9 @@ class Calibration:
     measured_at: str = ""
     note: str = ""
     source: str = ""  # where it was loaded from (set by ``load``)
+    # a T-token verify step (prompt lookup: the pending token plus T - 1 drafted) in plain one-token
+    # steps, T → cost, on the calibration model at 512 cached tokens; empty where not measured
+    verify_step_cost: dict = field(default_factory=dict)
 
     def cost(self, fmt: str) -> FormatCost | None:
         return self.formats.get(fmt)
@@ -130,7 +133,9 @@ class Calibration:
                 "weight_bytes": self.weight_bytes, "bandwidth_bytes_s": self.bandwidth_bytes_s,
                 "formats": {k: v.to_dict() for k, v in self.formats.items()},
                 "prefill_tok_s": self.prefill_tok_s, "prefill_flops_s": self.prefill_flops_s,
-                "threads": self.threads, "measured_at": self.measured_at, "note": self.note}
+                "threads": self.threads, "measured_at": self.measured_at, "note": self.note,
+                **({"verify_step_cost": {str(t): c for t, c in sorted(self.verify_step_cost.items())}}
+                   if self.verify_step_cost else {})}
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "") -> "Calibration":
@@ -142,7 +147,16 @@ class Calibration:
                    formats={k: FormatCost.from_dict(v) for k, v in d["formats"].items()},
                    prefill_tok_s=float(d.get("prefill_tok_s", 0.0)),
                    prefill_flops_s=float(d.get("prefill_flops_s", 0.0)), threads=int(d.get("threads", 0)),
-                   measured_at=d.get("measured_at", ""), note=d.get("note", ""), source=source)
+                   measured_at=d.get("measured_at", ""), note=d.get("note", ""), source=source,
+                   verify_step_cost=verify_costs(d.get("verify_step_cost", {})))
+
+
+def verify_costs(raw: dict) -> dict[int, float]:
+    """A calibration's verify step costs from JSON; a cost below one plain step or a length below 2 is damage."""
+    out = {int(t): float(c) for t, c in raw.items()}
+    if any(t < 2 or c < 1.0 for t, c in out.items()):
+        raise ValueError(f"verify step costs must be for 2 or more tokens and at least 1 plain step: {raw}")
+    return out
 
 
 def file_name(backend: str, hardware_key: str) -> str:

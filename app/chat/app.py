@@ -8,9 +8,11 @@ from textual.app import App
 from localctx.app.chat.chat_engine import ChatEngine
 from localctx.app.chat.screens.chat_screen import ChatScreen
 from localctx.app.chat.setup import ChatSetup
+from localctx.app.chat.worker_process import ProcessEngine
 
 
-# How long a thread may hold the GIL while another waits for it. Python's 5 ms default lets the UI's
+# How long a thread may hold the GIL while another waits for it (for a model in this process: a
+# remote session, or a scripted one in tests; `localctx chat` decodes in a child process). Python's 5 ms default lets the UI's
 # event loop keep the decode thread waiting up to 5 ms after each llama.cpp call returns (a token
 # takes ~13 ms at 76 tok/s); 0.5 ms hands it back at once (docs/benchmarks.md, "The chat against
 # `localctx run`").
@@ -31,7 +33,8 @@ class ChatApp(App):
     def __init__(self, setup: ChatSetup):
         super().__init__()
         self.setup = setup
-        self.engine = ChatEngine(setup.reopen, setup.params)
+        self.engine = ProcessEngine(setup.opener, setup.params) if setup.opener is not None else \
+            ChatEngine(setup.reopen, setup.params)
         self.load_error: Exception | None = None  # the model could not be loaded: the command reports it
         self.chat: ChatScreen | None = None
 

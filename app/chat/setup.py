@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localctx.app.chat.chat_engine import Load, Reopen
+from localctx.app.chat.worker_process import Opener
 from localctx.app.history import History
 from localctx.backends.base import GenerationParams
 from localctx.kvcache.plan import Plan
@@ -21,3 +22,6 @@ class ChatSetup:
     system: str = ""  # system prompt of new chats
     resume: bool = False  # open the most recent saved chat instead of a new one
     notice: str | None = None  # said once at start (e.g. a corrupt history moved aside)
+    # the model in a child process that opens this (app/chat/worker_process.py); None: in this
+    # process, through load and reopen (a remote session, whose server does the work; tests' scripted sessions)
+    opener: Opener | None = None

@@ -51,6 +51,7 @@ def handle(args: argparse.Namespace) -> int:
     # imported here so that other commands do not pay for Textual
     from localctx.app.chat.app import ChatApp
     from localctx.app.chat.setup import ChatSetup
+    from localctx.app.chat.worker_process import Opener
     from localctx.app.history import History
 
     params = params_from(args)
@@ -66,8 +67,10 @@ def handle(args: argparse.Namespace) -> int:
     history, notice = History.open()
     setup = ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name,
                       reopen=lambda kv: open_session(replace(request, kv=kv)), history=history, params=params,
-                      hardware=describe_hardware(), system=args.system, resume=args.resume, notice=notice)
-    app = ChatApp(setup)  # the model loads in a worker while the screen comes up
+                      hardware=describe_hardware(), system=args.system, resume=args.resume, notice=notice,
+                      # a local model decodes in a child process; a remote one is only an HTTP client
+                      opener=Opener(planned, request) if planned.opened is None else None)
+    app = ChatApp(setup)  # the model loads in a child process while the screen comes up
     try:
         app.run()
     finally:

@@ -35,6 +35,10 @@ steps cheap), and not on free text. (Counting an untimed length as cheap as the 
 one had free text try each long draft once, which cost llama.cpp more than its accepted drafts
 saved: docs/benchmarks-reuse.md.)
 
+Before a length is timed, the prior is the calibration's own timing of a verify step of that length
+on this backend and machine (``localctx plan --calibrate`` on llama.cpp stores it as
+``verify_step_cost``: kvcache/calibration.py), where there is one; else ``EXTRA_PRIOR``.
+
 ``EXTRA_PRIOR``: the first full bench run (docs/benchmarks-reuse.md, 2 threads, load about 2)
 implies an extra 0.19 of a plain step per drafted token on torch (fp32 weights; more rows per
 weight read cost little) and 0.48 on llama.cpp (Q4_1); the prior takes about the dearer one, so
@@ -90,9 +94,12 @@ class Acceptance:
 
 
 class StepCost:
-    """What a verify step costs in plain steps, from the fastest recent timing of each length."""
+    """What a verify step costs in plain steps, from the fastest recent timing of each length;
+    ``prior``: what the calibration measured on this backend and machine (T → cost in plain steps,
+    kvcache/calibration.py's ``verify_step_cost``), else EXTRA_PRIOR per drafted token."""
 
-    def __init__(self):
+    def __init__(self, prior: dict[int, float] | None = None):
+        self.prior = dict(prior or {})
         self.plain_s: deque[float] = deque(maxlen=RECENT)
         self.step_s: dict[int, deque[float]] = {}  # step length T → its recent timings
         self._ratios: dict[int, float] | None = None  # ratios(), until the next timing
@@ -112,16 +119,25 @@ class StepCost:
                 {t: max(1.0, min(times) / base) for t, times in self.step_s.items() if times}
         return self._ratios
 
+    def prior_extra(self, n_tokens: int) -> float:
+        """The prior's extra cost of a drafted token in a step of ``n_tokens``: the calibration's
+        where it timed that length, else EXTRA_PRIOR."""
+        cost = self.prior.get(n_tokens)
+        return (cost - 1.0) / (n_tokens - 1) if cost is not None and n_tokens > 1 else EXTRA_PRIOR
+
     def extra(self) -> float:
-        """The median extra cost of a drafted token over the lengths timed so far."""
+        """The median extra cost of a drafted token over the lengths timed so far (before any:
+        the prior's median)."""
         extras = [(r - 1.0) / (t - 1) for t, r in self.ratios().items()]
-        return statistics.median(extras) if extras else EXTRA_PRIOR
+        if not extras:
+            extras = [self.prior_extra(t) for t in self.prior] or [EXTRA_PRIOR]
+        return statistics.median(extras)
 
     def step_ratio(self, n_tokens: int) -> float:
         """What a step of ``n_tokens`` costs in plain steps: its own timing once it is TRUSTED,
         else the cheaper of that and the per-token estimate (the measured extra or the prior's)."""
         ratios = self.ratios()
-        estimate = 1.0 + min(self.extra(), EXTRA_PRIOR) * (n_tokens - 1)
+        estimate = 1.0 + min(self.extra(), self.prior_extra(n_tokens)) * (n_tokens - 1)
         timed = ratios.get(n_tokens)
         if timed is None:  # never timed: the estimate, between the nearest timed lengths around it
             shorter = [r for t, r in ratios.items() if t < n_tokens]
@@ -134,10 +150,10 @@ class StepCost:
 class DraftPlanner:
     """How many tokens to draft at a suffix match of ``match`` tokens (0: a plain step)."""
 
-    def __init__(self, max_draft: int):
+    def __init__(self, max_draft: int, verify_cost: dict[int, float] | None = None):
         self.max_draft = max_draft
         self.acceptance = Acceptance()
-        self.cost = StepCost()
+        self.cost = StepCost(verify_cost)
 
     def length(self, match: int, limit: int) -> int:
         if match <= 0 or limit <= 0:

@@ -14,8 +14,10 @@ keeps exactly the tokens plain decoding would produce, and sampling keeps its di
 
 Drafting adapts (``backends/generation/draft_policy.py``): each step drafts only when the tokens it
 expects to be accepted, judged by the length of the suffix match and this session's outcomes so
-far, outweigh the measured extra cost of a verify step over a plain one on this engine; free-form
-text, whose matches are short and rarely continue, therefore almost always decodes plainly."""
+far, outweigh the measured extra cost of a verify step over a plain one on this engine (before
+this answer has timed its own, what the calibration measured on this backend and machine); free-form
+text, whose matches are short and rarely continue, therefore almost always decodes plainly. An
+answer's stats report its tokens per step and the ratio of its verify steps' time to its plain ones'."""
 from __future__ import annotations
 
 import time
@@ -154,14 +156,39 @@ class SpecCounters:
         self.clock.accepted_tokens += accepted
 
 
+@dataclass
+class StepTimes:
+    """This answer's plain and verify step times: the verify-cost ratio its stats report."""
+    plain_s: float = 0.0
+    plain_n: int = 0
+    verify_s: float = 0.0
+    verify_n: int = 0
+
+    def add(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens == 1:
+            self.plain_s, self.plain_n = self.plain_s + seconds, self.plain_n + 1
+        else:
+            self.verify_s, self.verify_n = self.verify_s + seconds, self.verify_n + 1
+
+    @property
+    def ratio(self) -> float:
+        """Mean verify step over mean plain step (0.0 until both ran)."""
+        if not (self.plain_n and self.verify_n and self.plain_s > 0):
+            return 0.0
+        return (self.verify_s / self.verify_n) / (self.plain_s / self.plain_n)
+
+
 def speculative_tokens(verifier: Verifier, context: Sequence[int], first_logits: np.ndarray,
                        params: GenerationParams, clock: StatsClock,
-                       max_draft: int = MAX_DRAFT) -> Iterator[int]:
+                       max_draft: int = MAX_DRAFT, verify_cost: dict[int, float] | None = None) -> Iterator[int]:
     """Yields the answer's tokens: the first from ``first_logits`` (after prefill of ``context``),
-    then, per forward, the accepted draft tokens and the one the model chose after them."""
+    then, per forward, the accepted draft tokens and the one the model chose after them.
+    ``verify_cost``: the calibration's T-token verify cost in plain steps on this backend and
+    machine (the planner's prior until this answer has timed its own steps)."""
     drafter = NgramDrafter()
     drafter.extend(context)
-    planner = DraftPlanner(max_draft)
+    planner = DraftPlanner(max_draft, verify_cost)
+    times = StepTimes()
     picker = TokenPicker(params)
     counters = SpecCounters(clock)
     tok = picker.sample(first_logits)
@@ -175,7 +202,10 @@ def speculative_tokens(verifier: Verifier, context: Sequence[int], first_logits:
         draft = candidates[:planner.length(match, len(candidates))]
         started = time.perf_counter()
         logits = verifier.step([tok, *draft])
-        planner.cost.record(1 + len(draft), time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        planner.cost.record(1 + len(draft), seconds)
+        times.add(1 + len(draft), seconds)
+        clock.verify_cost_ratio = times.ratio
         accepted, tok = picker.verify(logits, draft)
         if draft:
             verifier.rollback(len(draft) - accepted)

@@ -3,7 +3,12 @@ KV format llama.cpp would use, interleaved round by round so that a busy machine
 alike, and store the fitted per-format cost (kvcache.calibration) in the user cache directory.
 
 One timed step = evaluate one token at position n, then drop it again (seq_rm), so every sample
-of a context sees exactly n cached tokens. Medians of the samples are fitted."""
+of a context sees exactly n cached tokens. Medians of the samples are fitted.
+
+It also times prompt lookup's verify steps (the pending token plus 1..MAX_DRAFT drafted ones, in
+one batch with logits at every position, then rolled back) against the one-token step, at
+VERIFY_CONTEXT cached tokens: the speculative loop's prior for what a draft costs here
+(backends/generation/draft_policy.py)."""
 from __future__ import annotations
 
 import statistics
@@ -22,6 +27,7 @@ from localctx.kvcache.policy import KVPolicy
 # the step is flat for the first few hundred tokens and then grows linearly: time both stretches
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 # (format, type_k, type_v, flash attention): keys and values apart too (quantized V needs flash attention)
+VERIFY_CONTEXT = 512
 VARIANTS = (("fp16", "f16", "f16", False), ("fp16", "f16", "f16", True), ("int8", "q8_0", "q8_0", True),
             ("int4", "q4_0", "q4_0", True), ("kf16v8", "f16", "q8_0", True), ("kf16v4", "f16", "q4_0", True),
             ("k8v4", "q8_0", "q4_0", True))
@@ -91,6 +97,7 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXT
     ids = _text_tokens(llms[0], max(contexts))
     probes: list[_Probe] = []
     prefill_rates = []
+    verify: dict[int, float] = {}
     filled = 0
     for n in sorted(contexts):
         stage = []
@@ -105,12 +112,37 @@ def calibrate(model: ModelRef | None = None, contexts: tuple[int, ...] = CONTEXT
             for probe in stage:
                 probe.samples.extend(probe.step() for _ in range(steps))
         progress(f"  timed {rounds} interleaved rounds at {n:,} tokens")
+        if n == VERIFY_CONTEXT or (VERIFY_CONTEXT not in contexts and not probes):
+            verify = _verify_costs(llms[0], n_ctx, ids[n], rounds * steps)
+            progress(f"  timed verify steps of 2..{max(verify)} tokens at {n:,} tokens")
         probes.extend(stage)
         filled = n
     for llm in llms:
         llm.close()
     cal = _fit(spec, ref, hw, probes, prefill_rates, threads)
-    return replace(cal, note=cal.note + "; " + load_note())
+    return replace(cal, note=cal.note + "; " + load_note(), verify_step_cost=verify)
+
+
+def _verify_costs(llm, n_ctx: int, token: int, rounds: int) -> dict[int, float]:
+    """T-token verify steps (T = 2..MAX_DRAFT + 1) in one-token steps: the fastest timing of each
+    over the fastest one-token step through the same path, the lengths interleaved per round."""
+    from localctx.backends.generation.speculation import MAX_DRAFT
+    from localctx.backends.llamacpp.speculate import LlamaCppVerifier
+
+    verifier = LlamaCppVerifier(llm, n_ctx, None)
+    lengths = range(1, MAX_DRAFT + 2)
+    times: dict[int, list[float]] = {t: [] for t in lengths}
+    try:
+        for _ in range(rounds):
+            for t in lengths:
+                t0 = time.perf_counter()
+                verifier.step([token] * t)
+                times[t].append(time.perf_counter() - t0)
+                verifier.rollback(t)
+    finally:
+        verifier.close()
+    plain = min(times[1])
+    return {t: round(max(1.0, min(times[t]) / plain), 3) for t in lengths if t > 1}
 
 
 def _fit(spec, ref, hw, probes: list[_Probe], prefill_rates: list[float], threads: int) -> Calibration:

@@ -125,7 +125,9 @@ class LlamaCppSession(Session):
         self.plan = dataclasses.replace(plan, kv_layout=shift.describe(plan.policy))
         self.backend_name = "llamacpp"
         policy = plan.policy
-        self.settings = shift.settings_for(plan, shift.local_calibration())
+        cal = shift.local_calibration()
+        self.settings = shift.settings_for(plan, cal)
+        self.verify_cost = cal.verify_step_cost if cal is not None else {}  # prompt lookup's prior
         type_k, type_v = self.settings.type_ids()
         if plan.context > self.spec.context_length and not policy.evicts:
             raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
@@ -343,7 +345,8 @@ class LlamaCppSession(Session):
         # a verify batch stays inside the context allocated now (fit() made room for the prompt and answer)
         verifier = LlamaCppVerifier(self.llm, min(self.plan.context, int(self.llm.n_ctx())), self._shift)
         try:
-            tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock)
+            tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock,
+                                                   verify_cost=self.verify_cost)
             for token in tokens:
                 yield token
                 if not self._shift and self.llm.n_tokens >= self.plan.context:

@@ -2,8 +2,9 @@
 prompt and max tokens (greedy), each in a fresh process:
 
 - decode: `localctx run` (its own stats line, and tokens ÷ the time between its first and last
-  answer bytes on stdout) against the chat app driven headless with Textual's pilot (the answer's
-  own stats, and tokens ÷ the time between the first and the last frame that drew answer text);
+  answer bytes on stdout) against the chat app driven headless with Textual's pilot, its model in
+  a child process as `localctx chat` runs it (the answer's own stats, and tokens ÷ the time between
+  the first and the last frame that drew answer text);
 - startup: `localctx chat` in a tmux terminal, launch → the panel says "ready", against
   `localctx run`, launch → its first answer byte on stdout.
 
@@ -43,17 +44,19 @@ import asyncio, json, sys, time
 from localctx.app.chat.app import ChatApp
 from localctx.app.chat.setup import ChatSetup
 from localctx.app.chat.widgets.conversation import Answer
+from localctx.app.chat.worker_process import Opener
 from localctx.app.commands.chat import describe_hardware
 from localctx.app.history import History
 from localctx.app.session_options import SessionRequest, plan_session
 from localctx.backends.base import GenerationParams
 
 model, kv, prompt, max_tokens = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
-planned = plan_session(SessionRequest(model=model, backend="llamacpp", kv=kv))
+request = SessionRequest(model=model, backend="llamacpp", kv=kv)
+planned = plan_session(request)
 history, _ = History.open()
 app = ChatApp(ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name, reopen=None,
                         history=history, params=GenerationParams(max_tokens=max_tokens, temperature=0.0),
-                        hardware=describe_hardware()))
+                        hardware=describe_hardware(), opener=Opener(planned, request)))
 stamps = []
 real_append = Answer.append
 async def append(self, fragment):
@@ -233,7 +236,8 @@ def median(values: list[float]) -> float:
 
 def write(out: Path, args: argparse.Namespace, pairs: list[dict]) -> dict:
     """Writes what was measured so far (after every pair: a long run cut short keeps its pairs)."""
-    summary = {key: median([p[key] for p in pairs]) for key in ("decode_ratio", "wall_ratio", "ready_over_run_startup")}
+    summary = {key: median([p[key] for p in pairs]) for key in ("decode_ratio", "wall_ratio", "ready_over_run_startup")
+               if key in pairs[0]}
     result = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "prompt": PROMPT,
               "max_tokens": args.max_tokens, "model": Path(args.model).name, "cpus": os.cpu_count(),
               "load_average_at_end": os.getloadavg(), "pairs": pairs, "median": summary}
@@ -252,6 +256,7 @@ def main() -> None:
     ap.add_argument("--kv", default=None, help="KV policy for both (default: planned)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--out", default=None, help="JSON path (default docs/results/run-chat/benchmarks-chat.json, -ui.json with --ui-cost)")
+    ap.add_argument("--no-ready", action="store_true", help="skip the tmux startup timing (decode only)")
     ap.add_argument("--ui-cost", action="store_true", help="measure the UI thread's cost per token instead (no model)")
     args = ap.parse_args()
     if args.ui_cost:
@@ -270,10 +275,12 @@ def main() -> None:
                     pair["run"] = run_answer(args.model, args.kv, args.max_tokens, env)
                 else:
                     pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env)
-                    pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
+                    if not args.no_ready:
+                        pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
             pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
             pair["wall_ratio"] = round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
-            pair["ready_over_run_startup"] = round(pair["chat"]["ready_s"] / pair["run"]["startup_s"], 3)
+            if not args.no_ready:
+                pair["ready_over_run_startup"] = round(pair["chat"]["ready_s"] / pair["run"]["startup_s"], 3)
             pairs.append(pair)
             print(json.dumps(pair), file=sys.stderr)
             summary = write(Path(args.out), args, pairs)
@@ -284,7 +291,7 @@ def main() -> None:
         r, c = p["run"], p["chat"]
         print(f"| {i} | {r['decode_tok_s']:.1f} | {c['decode_tok_s']:.1f} | {p['decode_ratio']:.2f} | "
               f"{r['wall_tok_s']:.1f} | {c['wall_tok_s']:.1f} | {p['wall_ratio']:.2f} | {r['startup_s']:.2f} | "
-              f"{c['ready_s']:.2f} | {p['ready_over_run_startup']:.2f} |")
+              f"{c.get('ready_s', float('nan')):.2f} | {p.get('ready_over_run_startup', float('nan')):.2f} |")
     print(f"medians: {summary}")
 
 

@@ -169,3 +169,49 @@ def test_the_loop_drafts_once_the_repetition_is_long_and_keeps_the_greedy_tokens
     assert verifier.steps[0] == 1  # the match behind the first step is short: a plain step
     assert max(verifier.steps) > 1 and len(verifier.steps) < 39
     assert clock.accepted_tokens == clock.drafted_tokens
+
+
+def test_the_calibrated_verify_cost_is_the_prior_before_any_step_is_timed():
+    """A machine where a verify step costs nearly a plain one (the calibration says so) drafts at a
+    3-token match; one where a T-token step costs T plain steps never drafts: no draft can pay."""
+    default = DraftPlanner(8)
+    cheap = DraftPlanner(8, verify_cost={t: 1.0 + 0.02 * (t - 1) for t in range(2, 10)})
+    dear = DraftPlanner(8, verify_cost={t: float(t) for t in range(2, 10)})
+    assert default.length(3, 8) == 0 and cheap.length(3, 8) > 0
+    assert dear.length(8, 8) == 0 < default.length(8, 8)
+    assert dear.cost.step_ratio(5) == 5.0 and np.isclose(cheap.cost.step_ratio(5), 1.08)
+    # once this answer's own steps are timed, they decide: here verify steps turn out cheap
+    timed(dear, lambda t: 1.0 + 0.05 * (t - 1))
+    assert dear.length(8, 8) > 0
+
+
+def test_an_untimed_length_without_calibration_keeps_the_default_prior():
+    cost = StepCost({})
+    assert cost.prior_extra(4) == EXTRA_PRIOR and cost.extra() == EXTRA_PRIOR
+    assert StepCost({3: 2.0}).prior_extra(3) == 0.5 and StepCost({3: 2.0}).prior_extra(4) == EXTRA_PRIOR
+
+
+def test_the_loop_reports_its_verify_cost_ratio(monkeypatch):
+    """The clock carries the mean verify step over the mean plain step of this answer (time here is
+    a fake clock that each step advances: plain 4 ms, a T-token step 2 + 2T ms)."""
+    from localctx.backends.generation import speculation
+
+    now = [0.0]
+    monkeypatch.setattr(speculation.time, "perf_counter", lambda: now[0])
+
+    class SlowVerifier(CountingVerifier):
+        def step(self, tokens):
+            now[0] += 0.002 * (1 + len(tokens))
+            return super().step(tokens)
+
+    verifier = SlowVerifier()
+    first = np.zeros(6, dtype=np.float32)
+    first[1] = 1.0
+    clock = StatsClock(backend="test", policy="fp16", prompt_tokens=4)
+    list(itertools.islice(speculative_tokens(verifier, [1, 2, 3, 4], first, GenerationParams(max_tokens=60),
+                                             clock), 60))
+    verify = [t for t in verifier.steps if t > 1]
+    assert verify and 1 in verifier.steps
+    expected = (sum(2 + 2 * t for t in verify) / len(verify)) / 4.0
+    assert np.isclose(clock.verify_cost_ratio, expected)
+    assert clock.stats(0, 0).to_dict()["verify_cost_ratio"] == round(expected, 3)

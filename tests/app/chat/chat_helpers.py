@@ -120,3 +120,18 @@ def expected_reply(messages: list[dict]) -> str:
     """What the fake backend answers to ``messages`` with the chat's default params."""
     session = fake_session()
     return "".join(e.text for e in session.generate(messages, ChatSetup.params))
+
+
+def make_worker_app(history: History, monkeypatch, *, delay: float = 0.0, **setup_kwargs) -> ChatApp:
+    """The chat as `localctx chat` runs it: the fake backend's session in a spawned child process
+    (the child reads its delay per token from LOCALCTX_FAKE_DELAY, and finds the fake backend
+    through LOCALCTX_BACKEND_PLUGINS, both inherited from this process)."""
+    from localctx.app.chat.worker_process import Opener
+    from localctx.app.session_options import plan_session
+
+    monkeypatch.setenv("LOCALCTX_FAKE_DELAY", str(delay))
+    request = SessionRequest(model=None, backend="fake")
+    planned = plan_session(request)
+    setup = ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name, reopen=None,
+                      history=history, hardware="test machine", opener=Opener(planned, request), **setup_kwargs)
+    return ChatApp(setup)
