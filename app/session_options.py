@@ -231,6 +231,9 @@ def refuse_unrunnable(plan: Plan, spec: ModelSpec) -> None:
 
 
 GROW_FROM_TOKENS = 4096  # a conversation's first allocation (chat): it doubles as the conversation grows
+# a server's first allocation per slot (serve: --parallel times this): a prompt of up to 512 tokens and an answer
+# of the API's default 512 (app/serve/protocol.DEFAULT_MAX_TOKENS) fit without growing; it doubles from there
+SLOT_GROW_FROM_TOKENS = 1024
 
 
 def size_plan(plan: Plan, req: SessionRequest, spec: ModelSpec) -> Plan:
