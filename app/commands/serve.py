@@ -115,7 +115,8 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.serve.streams import open_streams
 
     req = dataclasses.replace(SessionRequest.from_local_args(args, cache_reuse=args.cache_reuse),
-                              allocate=args.parallel * SLOT_GROW_FROM_TOKENS)  # KV starts small and grows
+                              allocate=args.parallel * SLOT_GROW_FROM_TOKENS,  # KV starts small and grows
+                              grow_to_context=True)  # up to --context
     ref, _spec = resolve_model(req)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
     planned = plan_session(req)

@@ -216,3 +216,28 @@ def test_torch_server_grows_and_metrics_show_it(tiny_torch):
     (full_before, full_after, _), (small_before, small_after, busy) = grown
     assert full_before == full_after
     assert small_before < small_after <= full_after and busy == 0
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_localctx_serve_starts_at_parallel_slots_of_1024_tokens_and_says_allocated_beside_the_maximum():
+    """The bundled SmolLM2 (8K trained context) with --context 4096 and two slots: 2 × 1,024 tokens at
+    start; a request whose prompt and max_tokens need more than a slot's 1,024 grows them to the maximum."""
+    from serve_helpers import serve_subprocess
+
+    with serve_subprocess(["--backend", "llamacpp", "--kv", "fp16", "--context", "4096", "--parallel", "2"]) \
+            as (proc, url):
+        assert "allocated for 2,048 tokens, grows to" in proc.startup_line and "at 4,096" in proc.startup_line
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+        plan = client.models.list().data[0].model_extra["localctx"]["plan"]
+        assert (plan["allocated_context"], plan["context"]) == (2048, 4096)
+        assert plan["allocated_kv_bytes"] < plan["kv_bytes"]
+        start = metric(url, "localctx_kv_allocated_bytes")
+        assert start == plan["allocated_kv_bytes"] < metric(url, "localctx_kv_reserved_bytes")
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=1500, temperature=0, stop=["."])
+        assert r.choices[0].message.content is not None
+        plan = client.models.list().data[0].model_extra["localctx"]["plan"]
+        assert plan["allocated_context"] == 4096 and plan["allocated_kv_bytes"] == plan["kv_bytes"]
+        assert metric(url, "localctx_kv_allocated_bytes") > start and metric(url, "localctx_slots_busy") == 0
