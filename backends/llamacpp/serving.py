@@ -2,7 +2,10 @@
 
 The context is opened beside the session's own on the same weights (batch.BatchDecoder)
 with one KV stream per slot (``kv_unified`` off); the plan's context is split between the slots,
-as llama.cpp's own server does, so all slots together hold the plan's KV. ``open_slots`` loads
+as llama.cpp's own server does, so all slots together hold at most the plan's KV. They start with
+what the plan allocates (``Plan.allocated``: serve's ``--parallel`` × 1,024 tokens) and grow, every
+slot's stream together, when a request's prompt and answer do not fit its slot (``_grow``,
+kvcache/growth.py): the cells move into a larger context between steps. ``open_slots`` loads
 the session with a minimal context of its own (``OWN_CONTEXT`` cells: the tokenizer and weights
 are what the slots share with it), so the server holds the plan's KV once, not twice. Each live stream feeds
 its last token in one shared ``llama_decode`` per step (the weights are read once per step), and

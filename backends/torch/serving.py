@@ -11,8 +11,9 @@ delays the streams that decode beside it by one chunk a step, never by its whole
 
 Memory never runs out mid-generation: a stream is admitted only while the worst case of every
 live stream (prompt + max answer, capped at what the KV policy ever holds) plus what the idle
-slots hold fits the pool; idle slots' histories are dropped, least recently used first, to make
-room. A request that could never fit is refused (UserError); one that does not fit now waits.
+slots hold fits the pool; a pool smaller than the plan's context first grows toward it (every
+slot's K/V moved into a larger one, kvcache/growth.py), then idle slots' histories are dropped,
+least recently used first, to make room. A request that could never fit is refused (UserError); one that does not fit now waits.
 Each stream runs through the shared ``stream`` loop (stops, limits, UTF-8, cancellation). A
 stream's own failure (its sampler, its prefill) ends it alone; a failed decode forward ends the
 streams it decoded; either way their slots are free again (backends/generation/slots.py)."""
