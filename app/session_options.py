@@ -47,7 +47,8 @@ def add_session_options(parser: argparse.ArgumentParser, remote: bool = True) ->
                         help="KV policy, e.g. fp16, int8, int4+res128, int4+sink4+win4096 (default: planned)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="tokens the session may hold (default: the model's trained context); run allocates "
-                             "what its request needs unless N is more, chat starts small and grows up to N")
+                             "what its request needs unless N is more, chat starts small and grows up to N, serve "
+                             "starts small and grows up to N")
     parser.add_argument("--min-tok-s", type=float, default=None, metavar="N",
                         help="decode speed target: the plan keeps decode at or above N tok/s")
     parser.add_argument("--exact", action="store_true",
@@ -76,8 +77,9 @@ class SessionRequest:
     cache_reuse: int = 0  # llama.cpp: move cached runs of at least this many tokens into place (0: off)
     timeout: float | None = None  # --backend openai: seconds to wait for the server's next bytes
     # tokens to allocate KV for at load (the session grows toward the plan's context); None: all of it.
-    # --context, where given, is allocated whole.
+    # --context, where given, is allocated whole, unless ``grow_to_context`` (serve: it is the most the KV grows to).
     allocate: int | None = None
+    grow_to_context: bool = False
     max_kld: float = DEFAULT_MAX_KLD  # the planner's quality budget (kvcache/kld_quality.py)
 
     @classmethod
@@ -231,10 +233,14 @@ def refuse_unrunnable(plan: Plan, spec: ModelSpec) -> None:
 
 
 GROW_FROM_TOKENS = 4096  # a conversation's first allocation (chat): it doubles as the conversation grows
+# a server's first allocation per slot (serve: --parallel times this): a prompt of up to 512 tokens and an answer
+# of the API's default 512 (app/serve/protocol.DEFAULT_MAX_TOKENS) fit without growing; it doubles from there
+SLOT_GROW_FROM_TOKENS = 1024
 
 
 def size_plan(plan: Plan, req: SessionRequest, spec: ModelSpec) -> Plan:
-    """The plan allocating ``req.allocate`` tokens at load (or --context, where that is more), in the backend's
+    """The plan allocating ``req.allocate`` tokens at load (or --context, where that is more and the request
+    does not grow to it: ``grow_to_context``), in the backend's
     cells and its own bytes; the plan's context stays the maximum the session grows to."""
     if req.allocate is None:
         return plan
@@ -242,7 +248,8 @@ def size_plan(plan: Plan, req: SessionRequest, spec: ModelSpec) -> Plan:
     backend = cls() if cls is not None else None
     allocation = (backend.kv_allocation() if backend is not None else None) or cost.max_kv_bytes
     cell = backend.kv_cell_tokens if backend is not None else 1
-    return plan.sized_to(max(req.allocate, req.context or 0), cell, lambda n: allocation(spec, plan.policy, n))
+    first = req.allocate if req.grow_to_context else max(req.allocate, req.context or 0)
+    return plan.sized_to(first, cell, lambda n: allocation(spec, plan.policy, n))
 
 
 def plan_session(req: SessionRequest, watch: Stopwatch | None = None) -> PlannedSession:

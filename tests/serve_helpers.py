@@ -68,6 +68,7 @@ def serve_subprocess(args: list[str], env: dict | None = None):
         except queue.Empty:
             raise RuntimeError("localctx serve printed nothing: " + (proc.stderr.read() if proc.poll() else ""))
         url = first.split()[2]
+        proc.startup_line = first  # what the server printed first (its URL, plan and KV)
         assert url.startswith("http://127.0.0.1:"), first
         yield proc, url
     finally:

@@ -3,15 +3,15 @@ behind it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import sys
 
 from localctx.app.serve.access import Access, is_loopback
 from localctx.app.serve.protocol import DEFAULT_MAX_TOKENS_CAP, RequestRules
-from localctx.app.session_options import (SessionRequest, add_cache_reuse_option, add_session_options, plan_session,
-                                          resolve_model)
-from localctx.kvcache.cost import format_bytes
+from localctx.app.session_options import (SLOT_GROW_FROM_TOKENS, SessionRequest, add_cache_reuse_option,
+                                          add_session_options, plan_session, resolve_model)
 from localctx.kvcache.errors import UserError
 
 KEY_ENV = "LOCALCTX_API_KEY"
@@ -114,7 +114,9 @@ def handle(args: argparse.Namespace) -> int:
     from localctx.app.serve.scheduler import Limits, Scheduler
     from localctx.app.serve.streams import open_streams
 
-    req = SessionRequest.from_local_args(args, cache_reuse=args.cache_reuse)
+    req = dataclasses.replace(SessionRequest.from_local_args(args, cache_reuse=args.cache_reuse),
+                              allocate=args.parallel * SLOT_GROW_FROM_TOKENS,  # KV starts small and grows
+                              grow_to_context=True)  # up to --context
     ref, _spec = resolve_model(req)
     sock = bind(args.host, args.port)  # before loading: a taken port fails fast
     planned = plan_session(req)
@@ -130,7 +132,7 @@ def handle(args: argparse.Namespace) -> int:
     plan = session.plan
     threads_note = f", torch on {threads} of {os.cpu_count()} CPU threads (one core left for HTTP)" if threads else ""
     print(f"localctx serve: http://{shown}:{port}/v1  model {ref.name}, backend {plan.backend}, KV {plan.policy} "
-          f"({'exact' if plan.exact else 'lossy'}), context {plan.context:,}, KV up to {format_bytes(plan.kv_bytes)}, "
+          f"({'exact' if plan.exact else 'lossy'}), context {plan.context:,}, {plan.allocation_words()}, "
           f"{streams.capacity} slot{'s' if streams.capacity > 1 else ''}"
           f"{' batched' if streams.batching else ''}{threads_note}", flush=True)
     return run_server(build_app(state), sock, concurrency=2 * (args.queue + streams.capacity) + 8, session=session)

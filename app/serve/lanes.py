@@ -77,6 +77,13 @@ class Lane:
     def busy(self) -> bool:
         return self.streams.active > 0
 
+    @property
+    def allocated_bytes(self) -> int:
+        """KV the lane has allocated now: less than ``kv_bytes`` while its plan allocates less than its
+        context and grows toward it (kvcache/growth.py), else all of it."""
+        plan = self.plan
+        return plan.allocated_bytes if plan.allocated_context < plan.context else self.kv_bytes
+
     def serves(self, policy: KVPolicy, context: int) -> bool:
         return str(self.plan.policy) == str(policy) and self.plan.context >= context
 
@@ -119,6 +126,11 @@ class Lanes:
 
     def used_bytes(self) -> int:
         return sum(lane.kv_bytes for lane in self.lanes)
+
+    def allocated(self) -> tuple[int, int]:
+        """(KV bytes, tokens) the open lanes have allocated now; each grows toward its plan's context."""
+        return (sum(lane.allocated_bytes for lane in self.lanes),
+                sum(lane.plan.allocated_context for lane in self.lanes))
 
     def describe(self) -> list[dict]:
         return [{"policy": str(lane.plan.policy), "context": lane.plan.context, "kv_bytes": lane.kv_bytes,

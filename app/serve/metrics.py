@@ -6,7 +6,7 @@ answer), and per request, from the events the scheduler emits (``observe``, on i
 generated and cached tokens, streams that failed, time to first token (from the request's arrival
 to its first token: queueing and prefill) and decode speed (tokens a second after the first).
 Read at each scrape: requests waiting, live streams, slots, the KV budget, what the open lanes
-reserve of it, and the KV bytes and tokens the live conversations hold (as their last event
+reserve of it (their maximum) and have allocated now (they grow toward it), and the KV bytes and tokens the live conversations hold (as their last event
 said)."""
 from __future__ import annotations
 
@@ -108,12 +108,16 @@ class _Now:
         scheduler = self.metrics.scheduler
         load, lanes = scheduler.load(), scheduler.streams
         kv_bytes, kv_tokens = self.metrics.held()
+        allocated_bytes, allocated_tokens = lanes.allocated()
         for name, doc, value in (
                 ("localctx_queue_depth", "requests waiting for a slot", load["queued"]),
                 ("localctx_slots_busy", "streams live now (decoding or prefilling)", load["active"]),
                 ("localctx_slots", "the most streams live at once", load["slots"]),
                 ("localctx_kv_budget_bytes", "the KV bytes of the plan the server was started with", lanes.budget),
                 ("localctx_kv_reserved_bytes", "what the open KV lanes count against the budget", lanes.used_bytes()),
+                ("localctx_kv_allocated_bytes", "KV bytes the open lanes have allocated now: they start small and grow "
+                                                "toward what they reserve", allocated_bytes),
+                ("localctx_kv_allocated_tokens", "tokens of KV the open lanes have allocated now", allocated_tokens),
                 ("localctx_kv_lanes", "KV lanes open now", len(lanes.lanes)),
                 ("localctx_kv_bytes", "KV bytes the live conversations hold", kv_bytes),
                 ("localctx_kv_tokens", "tokens the live conversations hold in their KV", kv_tokens)):

@@ -100,6 +100,7 @@ class BatchDecoder:
         params.n_ubatch = min(n_batch, params.n_ubatch or n_batch)
         self.n_batch = n_batch
         self.model = llm.model
+        self.params = params
         self.ctx = llama_cpp.llama_init_from_model(llm.model, params)
         if not self.ctx:
             raise RuntimeFailure(f"llama.cpp could not open a {n_seqs}-sequence context of {n_ctx} tokens")
@@ -115,6 +116,23 @@ class BatchDecoder:
         n_vocab = self.llama_cpp.llama_vocab_n_tokens(self.llama_cpp.llama_model_get_vocab(self.model))
         row = self.llama_cpp.llama_get_logits_ith(self.ctx, j)
         self.captured.append((seq.index, np.ctypeslib.as_array(row, shape=(n_vocab,)).copy()))
+
+    def resize(self, n_ctx: int, seq_ids: list[int]) -> None:
+        """Moves to a context of ``n_ctx`` cells (each sequence's stream: ``n_ctx / n_seq_max``) on the same
+        weights, the cells of ``seq_ids`` copied into it (grow.py); a context that fails to open leaves
+        this one as it was."""
+        from localctx.backends.llamacpp import grow
+
+        states = grow.read_sequences(self.ctx, seq_ids)
+        params = self.llama_cpp.llama_context_params.from_buffer_copy(self.params)
+        params.n_ctx = n_ctx
+        ctx = self.llama_cpp.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeFailure(f"llama.cpp could not open a {params.n_seq_max}-sequence context of {n_ctx} tokens")
+        self.llama_cpp.llama_free(self.ctx)
+        self.ctx, self.params = ctx, params
+        self.memory = self.llama_cpp.llama_get_memory(ctx)
+        grow.write_sequences(ctx, states)
 
     def close(self) -> None:
         for seq in self.seqs:

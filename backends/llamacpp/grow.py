@@ -1,10 +1,12 @@
-"""Growing a llama.cpp session's context: the plan allocates what the work needs (kvcache/plan.py's
-``allocated``) and the session moves to a larger context when a prompt and its answer need more,
-up to the plan's context (docs/architecture.md "KV sized to the work").
+"""Growing llama.cpp KV: the plan allocates what the work needs (kvcache/plan.py's ``allocated``) and a
+context moves to a larger one when a prompt and its answer need more, up to the plan's context, in
+the steps kvcache/growth.py sets (docs/architecture.md "KV sized to the work").
 
-The cells move: sequence 0's state (its cells' positions and K/V rows, ``llama_state_seq_get_data``)
+The cells move: each sequence's state (its cells' positions and K/V rows, ``llama_state_seq_get_data``)
 is copied into a new context on the same weights, so nothing is evaluated again. Re-prefilling the
 tokens into the new context was measured slower (benchmarks/speed/kv_growth.py, docs/benchmarks.md).
+A chat's session moves its one sequence (``grow_context``); a server's slots move every slot's
+sequence of their multi-sequence context (``move_sequences``, backends/llamacpp/serving.py).
 """
 from __future__ import annotations
 
@@ -16,28 +18,41 @@ import numpy as np
 CELL = 256  # llama.cpp pads a context to 256 cells (allocation.py)
 
 
-def next_size(current: int, needed: int, maximum: int) -> int:
-    """The context to grow to: at least double the current one, enough for ``needed``, in whole
-    cells, at most ``maximum``."""
-    want = max(2 * current, -(-needed // CELL) * CELL)
-    return min(maximum, want)
+def read_sequences(ctx, seq_ids: list[int]) -> dict[int, ctypes.Array]:
+    """Each sequence's state in ``ctx`` (a llama_context pointer), as llama.cpp writes it; empty
+    sequences are left out."""
+    import llama_cpp
+
+    states = {}
+    for seq_id in seq_ids:
+        size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
+        if not size:
+            continue
+        state = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(ctx, state, size, seq_id)
+        if written != size:
+            raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of sequence {seq_id}'s state")
+        states[seq_id] = state
+    return states
+
+
+def write_sequences(ctx, states: dict[int, ctypes.Array]) -> None:
+    """The states ``read_sequences`` gave, into ``ctx`` (a larger context on the same weights)."""
+    import llama_cpp
+
+    for seq_id, state in states.items():
+        if llama_cpp.llama_state_seq_set_data(ctx, state, len(state), seq_id) == 0:
+            raise RuntimeError(f"llama.cpp refused sequence {seq_id}'s state in the larger context")
 
 
 def grow_context(llm, n_ctx: int) -> None:
     """Moves ``llm`` (a llama_cpp.Llama) to a new context of ``n_ctx`` cells on the same weights, with
     sequence 0's cells and the token history carried over; the old context is freed."""
-    import llama_cpp
     from llama_cpp import _internals
 
     old = llm._ctx
     n_tokens = int(llm.n_tokens)
-    state = None
-    if n_tokens:
-        size = llama_cpp.llama_state_seq_get_size(old.ctx, 0)
-        state = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(old.ctx, state, size, 0)
-        if written != size:
-            raise RuntimeError(f"llama.cpp wrote {written} of {size} bytes of the sequence's state")
+    states = read_sequences(old.ctx, [0]) if n_tokens else {}
     llm.context_params.n_ctx = n_ctx
     new = _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)
     old.close()  # free the old cells before the copy lands: peak memory is the new context plus the state
@@ -51,5 +66,4 @@ def grow_context(llm, n_ctx: int) -> None:
         scores = np.ndarray((llm._n_ctx, llm._n_vocab), dtype=np.single)
         scores[:n_tokens] = llm.scores[:n_tokens]
         llm.scores = scores
-    if state is not None and llama_cpp.llama_state_seq_set_data(new.ctx, state, len(state), 0) == 0:
-        raise RuntimeError("llama.cpp refused the sequence's state in the larger context")
+    write_sequences(new.ctx, states)

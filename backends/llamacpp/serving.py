@@ -2,7 +2,10 @@
 
 The context is opened beside the session's own on the same weights (batch.BatchDecoder)
 with one KV stream per slot (``kv_unified`` off); the plan's context is split between the slots,
-as llama.cpp's own server does, so all slots together hold the plan's KV. ``open_slots`` loads
+as llama.cpp's own server does, so all slots together hold at most the plan's KV. They start with
+what the plan allocates (``Plan.allocated``: serve's ``--parallel`` × 1,024 tokens) and grow, every
+slot's stream together, when a request's prompt and answer do not fit its slot (``_grow``,
+kvcache/growth.py): the cells move into a larger context between steps. ``open_slots`` loads
 the session with a minimal context of its own (``OWN_CONTEXT`` cells: the tokenizer and weights
 are what the slots share with it), so the server holds the plan's KV once, not twice. Each live stream feeds
 its last token in one shared ``llama_decode`` per step (the weights are read once per step), and
@@ -32,6 +35,7 @@ from localctx.backends.llamacpp.cache_reuse import move_runs, plan_moves
 from localctx.backends.generation.slots import Slot, SlotStreams, choose_slot, common_prefix
 from localctx.backends.generation.stream_source import StreamFailed
 from localctx.backends.generation.decode_loop import KVProbe, stream
+from localctx.kvcache import growth
 from localctx.kvcache.errors import UserError
 
 
@@ -75,18 +79,42 @@ class LlamaSlots(SlotStreams):
         self.cache_reuse = cache_reuse
         self.plan = plan or session.plan
         self.settings = shift.settings_for(self.plan, shift.local_calibration())
-        per_slot = self.plan.context // n_slots // CONTEXT_PAD * CONTEXT_PAD
-        if per_slot < CONTEXT_PAD:
+        most = self.plan.context // n_slots // CONTEXT_PAD * CONTEXT_PAD
+        if most < CONTEXT_PAD:
             raise UserError(f"--context {self.plan.context:,} split over --parallel {n_slots} leaves less than "
                             f"{CONTEXT_PAD} tokens a slot; give a larger --context or a smaller --parallel")
-        self.per_slot = per_slot
+        self.most_per_slot = most  # what each slot may grow to: its share of the plan's context
+        first = -(-self.plan.allocated_context // n_slots // CONTEXT_PAD) * CONTEXT_PAD
+        self.per_slot = min(most, max(CONTEXT_PAD, first))  # what each slot holds now (``_grow``)
+        self.growths = 0  # times the slots' context grew toward the plan's
         super().__init__(session, [Slot(i) for i in range(n_slots)])
-        self.decoder = BatchDecoder(session.llm, per_slot * n_slots, n_slots, n_batch=session.llm.n_batch,
+        self.decoder = BatchDecoder(session.llm, self.per_slot * n_slots, n_slots, n_batch=session.llm.n_batch,
                                     kv=KVTypes(*self.settings.type_ids(), self.settings.flash_attn))
+        if self.plan.allocated is not None:  # what the slots allocated, in their cells (the whole plan: all of it)
+            self._record()
         self.decoder.prefilled = True  # prompts are prefilled here, a chunk per step as they arrive
         self.llama_cpp = self.decoder.llama_cpp
         self.prefill_chunk = self.decoder.n_batch
         self.prefill_steps: list[int] = []  # prompt tokens prefilled in each step that prefilled (the last 64)
+
+    # -- growing ----------------------------------------------------------------------
+    def _record(self) -> None:
+        n = self.per_slot * len(self.slots)
+        if self.per_slot >= self.most_per_slot:
+            self.plan.grow_to(self.plan.context, self.plan.kv_bytes)
+        else:
+            self.plan.grow_to(n, dataclasses.replace(self.settings, n_ctx=n).cache().bytes(self.session.spec))
+
+    def _grow(self, needed: int) -> None:
+        """Every slot's stream grows to hold ``needed`` tokens (kvcache/growth.py: at least doubling, at most
+        its share of the plan's context): the slots' cells move into a larger context on the same weights
+        (batch.BatchDecoder.resize, the way a chat's context grows: grow.py), so live streams decode on
+        and idle slots keep their conversations; the plan then says what is allocated."""
+        n = growth.next_size(self.per_slot, needed, self.most_per_slot, CONTEXT_PAD)
+        self.decoder.resize(n * len(self.slots), [s.seq_id for s in self.slots])
+        self.per_slot = n
+        self.growths += 1
+        self._record()
 
     def _reusable(self, slot: Slot, ids: list[int]) -> tuple[int, list]:
         """(common prefix, runs that chunk reuse would move) of ``slot`` for ``ids``."""
@@ -112,17 +140,20 @@ class LlamaSlots(SlotStreams):
               ids: list[int] | None = None) -> tuple[LiveStream, None] | None:
         s = self.session
         ids = s.tokenize(prompt) if ids is None else ids
+        most = self.most_per_slot
         try:
-            slot_plan = dataclasses.replace(self.plan, context=self.per_slot)
+            slot_plan = dataclasses.replace(self.plan, context=most)
             check_prompt_fits(len(ids), slot_plan, s.spec, params.max_tokens)
         except UserError as exc:
-            raise UserError(f"{exc} (each of the server's {len(self.slots)} slots holds {self.per_slot:,} tokens; "
+            raise UserError(f"{exc} (each of the server's {len(self.slots)} slots holds {most:,} tokens; "
                             "a server with a smaller --parallel gives each more)") from None
-        if params.max_tokens > self.per_slot - len(ids):
-            params = dataclasses.replace(params, max_tokens=self.per_slot - len(ids))
+        if params.max_tokens > most - len(ids):
+            params = dataclasses.replace(params, max_tokens=most - len(ids))
         choice = self._choose(ids)
         if choice is None:
             return None
+        if growth.must_grow(self.per_slot, len(ids) + params.max_tokens, most):
+            self._grow(len(ids) + params.max_tokens)  # between steps, on the scheduler's thread
         sampler = sampler_chain(params, s.llm.model)  # before the slot is taken: one that fails holds nothing
         slot, shared, moves = choice
         try:

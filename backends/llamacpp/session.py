@@ -28,7 +28,7 @@ from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_wind
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.generation.decode_loop import KVProbe, stream
-from localctx.kvcache import prompt_cache
+from localctx.kvcache import growth, prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -194,9 +194,9 @@ class LlamaCppSession(Session):
         """Grows the context to hold ``needed`` tokens (at least doubling, at most the plan's context), its
         cells moved into the larger one (grow.py); the plan then says what is allocated."""
         have, most = int(self.llm.n_ctx()), self.settings.n_ctx
-        if self._fixed_context or needed <= have or have >= most:
+        if self._fixed_context or not growth.must_grow(have, needed, most):
             return
-        n = grow.next_size(have, needed, most)
+        n = growth.next_size(have, needed, most, grow.CELL)
         grow.grow_context(self.llm, n)
         self.plan.grow_to(n, self.allocated_bytes(n))
 

@@ -11,8 +11,9 @@ delays the streams that decode beside it by one chunk a step, never by its whole
 
 Memory never runs out mid-generation: a stream is admitted only while the worst case of every
 live stream (prompt + max answer, capped at what the KV policy ever holds) plus what the idle
-slots hold fits the pool; idle slots' histories are dropped, least recently used first, to make
-room. A request that could never fit is refused (UserError); one that does not fit now waits.
+slots hold fits the pool; a pool smaller than the plan's context first grows toward it (every
+slot's K/V moved into a larger one, kvcache/growth.py), then idle slots' histories are dropped,
+least recently used first, to make room. A request that could never fit is refused (UserError); one that does not fit now waits.
 Each stream runs through the shared ``stream`` loop (stops, limits, UTF-8, cancellation). A
 stream's own failure (its sampler, its prefill) ends it alone; a failed decode forward ends the
 streams it decoded; either way their slots are free again (backends/generation/slots.py)."""
@@ -63,8 +64,7 @@ class SlotBatcher(SlotStreams):
     def __init__(self, session: "TorchSession", n_slots: int):
         super().__init__(session, [Slot(FIRST_SLOT_ID + i) for i in range(n_slots)])
         self.engine = session.engine
-        self.cache = session.engine.cache
-        self.pool = self.cache.pool
+        self.growths = 0  # times the pool grew toward the plan's context
         session.reset()  # the session's own conversation would hold blocks the slots need
         self.prefill_chunk = self.engine.options.prefill_chunk
         self.prefill_steps: list[int] = []  # prompt tokens prefilled in each step that prefilled (the last 64)
@@ -73,6 +73,28 @@ class SlotBatcher(SlotStreams):
         self._lock = session.engine_lock  # the session's own generate/generate_batch must not run meanwhile
 
     # -- memory ----------------------------------------------------------------------------
+    @property
+    def cache(self):
+        return self.engine.cache  # a new, larger one after the pool grows (_grow)
+
+    @property
+    def pool(self):
+        return self.engine.cache.pool
+
+    def _most_blocks(self) -> int:
+        """Blocks the pool may hold: the plan's context where the session grows its cache, else what it has."""
+        if self.session.resize is None:
+            return self.pool.n_blocks
+        return max(self.pool.n_blocks, self.pool.blocks_for(self.session.plan.context))
+
+    def _grow(self, blocks: int) -> None:
+        """Grows the pool toward the plan's context to hold ``blocks`` (kvcache/growth.py), every slot's
+        cached K/V moved into the larger cache (TorchSession.grow_cache): live streams decode on, idle
+        conversations keep their prefixes."""
+        held = {s.seq_id: self.cache.length(s.seq_id) for s in self.slots if self.cache.has(s.seq_id)}
+        if self.session.grow_cache(blocks * self.pool.block_size, held):
+            self.growths += 1
+
     def _held_blocks(self, n_tokens: int) -> int:
         policy = self.session.plan.policy
         cap = policy.capacity()
@@ -100,9 +122,10 @@ class SlotBatcher(SlotStreams):
             ids = self._waiting_ids
         params = self.session.capped(len(ids), params)  # UserError when the prompt cannot fit
         worst = self._held_blocks(len(ids) + params.max_tokens)
-        if worst > self.pool.n_blocks:
+        most = self._most_blocks()
+        if worst > most:
             raise UserError(f"the prompt ({len(ids):,} tokens) plus max_tokens ({params.max_tokens:,}) needs more KV "
-                            f"than the server's pool of {self.pool.capacity_tokens:,} tokens; lower max_tokens or "
+                            f"than the server's pool of {most * self.pool.block_size:,} tokens; lower max_tokens or "
                             f"shorten the prompt")
         choice = choose_slot(self.slots, ids)
         if choice is None:
@@ -111,6 +134,8 @@ class SlotBatcher(SlotStreams):
         committed = sum(s.worst_blocks for s in self.live)
         idle = sorted((s for s in self.slots if not s.busy and s is not slot), key=lambda s: s.last_used)
         held_idle = sum(self._slot_blocks(s) for s in idle)
+        if committed + held_idle + worst > self.pool.n_blocks and self.pool.n_blocks < most:
+            self._grow(min(most, committed + held_idle + worst))  # before dropping an idle conversation
         while committed + held_idle + worst > self.pool.n_blocks and idle:
             victim = idle.pop(0)  # least recently used conversation goes first
             held_idle -= self._slot_blocks(victim)
@@ -142,9 +167,8 @@ class SlotBatcher(SlotStreams):
         return live, None  # prefilled by the next steps, with the streams that join with it
 
     def _probe(self, seq_id: int) -> KVProbe:
-        cache = self.cache
-
         def read() -> tuple[int, int, int]:
+            cache = self.cache  # the pool may have grown since the stream started
             if not cache.has(seq_id):
                 return 0, 0, 0
             held = cache.kv_tokens(seq_id)

@@ -22,7 +22,7 @@ from localctx.backends.torch.sampling import Sampler
 from localctx.backends.torch import prompt_cache as torch_prompt_cache
 from localctx.backends.torch.speculate import TorchVerifier
 from localctx.backends.torch.tokenizer import TextTokenizer
-from localctx.kvcache import cost, prompt_cache
+from localctx.kvcache import cost, growth, prompt_cache
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.paged import PagedKVCache
 from localctx.kvcache.plan import Plan
@@ -32,11 +32,12 @@ from localctx.kvcache.model_spec import ModelSpec
 CONVERSATION = 0
 
 
-def export_conversation(cache, n_tokens: int) -> dict[str, torch.Tensor]:
-    """The conversation's K/V as the cache's import_sequence takes it (a policy cache exports all it holds)."""
+def export_held(cache, seq_id: int, n_tokens: int) -> dict[str, torch.Tensor]:
+    """A sequence's first ``n_tokens`` of K/V as the cache's import_sequence takes it (a policy cache
+    exports all it holds)."""
     if isinstance(cache, PagedKVCache):
-        return cache.export_sequence(CONVERSATION, n_tokens)
-    return cache.export_sequence(CONVERSATION)
+        return cache.export_sequence(seq_id, n_tokens)
+    return cache.export_sequence(seq_id)
 
 
 class TorchSession(Session):
@@ -98,21 +99,27 @@ class TorchSession(Session):
         return KVProbe(read)
 
     def fit(self, needed: int) -> None:
-        """Grows the cache to hold ``needed`` tokens (at least doubling, in whole blocks, at most the plan's
-        context): a larger cache is made and the conversation's K/V moved into it; the plan then says what
-        is allocated."""
+        """Grows the cache to hold ``needed`` tokens, the conversation's K/V moved into it (grow_cache)."""
+        self.grow_cache(needed, {CONVERSATION: len(self.history)} if self.history else {})
+
+    def grow_cache(self, needed: int, held: dict[int, int]) -> bool:
+        """Grows the cache toward the plan's context when ``needed`` tokens do not fit (kvcache/growth.py:
+        at least doubling, in whole blocks): a larger cache is made and the K/V of each sequence of
+        ``held`` (seq id: its tokens) moved into it; the plan then says what is allocated. Returns
+        whether it grew. The conversation's (``fit``) and a server's slots' (serving.SlotBatcher)."""
         cache = self.engine.cache
         have, most = cache.pool.capacity_tokens, self.plan.context
-        if self.resize is None or needed <= have or have >= most:
-            return
-        block = cache.pool.block_size
-        n = min(most, max(2 * have, -(-needed // block) * block))
+        if self.resize is None or not growth.must_grow(have, needed, most):
+            return False
+        n = growth.next_size(have, needed, most, cache.pool.block_size)
         grown = self.resize(n)
-        if cache.has(CONVERSATION) and self.history:
-            with self.engine_lock:
-                grown.import_sequence(CONVERSATION, export_conversation(cache, len(self.history)))
-        self.engine.cache = grown
+        with self.engine_lock:
+            for seq_id, n_tokens in held.items():
+                if cache.has(seq_id):
+                    grown.import_sequence(seq_id, export_held(cache, seq_id, n_tokens))
+            self.engine.cache = grown
         self.plan.grow_to(n, cost.max_kv_bytes(self.spec, self.plan.policy, n))
+        return True
 
     def reset(self) -> None:
         if self.engine.cache is not None and self.engine.cache.has(CONVERSATION):
