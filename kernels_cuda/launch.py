@@ -11,13 +11,19 @@ sm_89 and sm_90) and the occupancy arithmetic of ``occupancy.py``:
 
 1. Key tile ``BLOCK_N``: the largest of ``block_n_choices(head_dim)`` whose compiled kernel has no
    spill and keeps at least ``MIN_RESIDENT`` programs per SM (one program's memory wait hides
-   behind another's); else the smallest. Larger tiles mean fewer loop trips and wider loads. The
-   choices themselves come from the compiled numbers: 64 keys only at head dim 64 (see below).
-2. Warps: the table row's — the fewest that compiled without a spill (``compile.py`` compiles each
-   kernel with ``num_warps``'s default, four or eight by tile size, and again with twice the warps
-   where that spilled), else the variant that spilled least; ``num_warps`` where the table has no row.
+   behind another's); else the smallest without a spill. Larger tiles mean fewer loop trips and
+   wider loads. The choices themselves come from the compiled numbers: 64 keys only at head dim 64.
+2. Warps: the table row's (``compile.py`` compiles each kernel with ``num_warps``'s default, four or
+   eight by tile size); ``num_warps`` where the table has no row. Every launch of
+   ``partial_kernel``/``mass_kernel`` passes ``maxnreg``, the registers one block of those warps may
+   hold (``occupancy.register_cap``): left alone, ptxas held some kernels to 128 registers and spilled.
 3. Splits: enough programs for one full wave, SMs × resident programs per SM, divided among the
    (sequence, KV head, row block) programs, capped by the key tiles and ``MAX_SPLITS``.
+
+**Only spill-free specializations are launched**: on a GPU, a table row with spills is never
+chosen, and a launch whose only candidates spill (or that the table lacks) raises instead of
+running; ``tests/kernels_cuda/test_cuda_resources.py`` checks that the committed table has a
+spill-free row for everything the launcher can meet.
 
 The SM count is the device's own; the resources are those of the device's architecture when the
 table has it, else sm_89's (the RTX 4090, the design target: 128 SMs). On CPU (Triton's
