@@ -171,7 +171,8 @@ def test_committed_table_covers_every_choice():
                 for seg in segments:
                     for bn in launch.block_n_choices(D):
                         row = table[arch][launch.table_key(D, dt, seg, bn)]
-                        assert table[arch][launch.MASS + launch.table_key(D, dt, seg, bn)]["spills"] == 0
+                        if seg != "fp-norope":  # the mass is the policy cache's (keys rotated in the kernel)
+                            assert table[arch][launch.MASS + launch.table_key(D, dt, seg, bn)]["spills"] == 0
                         assert row["warps"] in (4, 8, 16)
                         assert occupancy.occupancy(limits, row["registers"], row["shared"], row["warps"]).blocks_per_sm >= 1
                     chosen = launch.choose_launch(launch.DeviceView(arch, limits.sms), D, dt, seg, lambda bn: 1024, 8)
