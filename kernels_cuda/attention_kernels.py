@@ -57,6 +57,17 @@ def _rotate(x1, x2, pos, rope_ptr, HALF: tl.constexpr):
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
+GROUP_SUB_ELEMS = 2048  # a quantized group is read in sub-tiles of at most this many (token × channel) codes
+
+
+@triton.constexpr_function
+def _group_sub(head_dim, group):
+    """Tokens per sub-tile of a quantized group: GROUP_SUB_ELEMS // head_dim (at least 16, the
+    smallest tl.dot side), at most the group. Dequantizing a whole 64-token group at head dim
+    128/256 held more fp32 values than the registers (compile.py measured the spills)."""
+    return max(16, min(group, GROUP_SUB_ELEMS // head_dim))
+
+
 @triton.jit
 def _unpack(codes_ptr, row_off, ch, BITS: tl.constexpr):
     """Codes of channels ``ch`` for the token rows starting at ``row_off`` (bytes), as fp32."""
@@ -68,13 +79,14 @@ def _unpack(codes_ptr, row_off, ch, BITS: tl.constexpr):
 
 
 @triton.jit
-def _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_heads, max_groups,
-                rope_ptr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr,
+def _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, sub, n_kv_heads, max_groups,
+                rope_ptr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, BITS: tl.constexpr,
                 ROPE: tl.constexpr):
+    """Keys ``sub * SUB`` .. ``+ SUB`` of group ``t`` (scale/min are per channel of the whole group)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     PACKED: tl.constexpr = HEAD_DIM * BITS // 8
     half = tl.arange(0, HALF)
-    tok = tl.arange(0, GROUP)
+    tok = sub * SUB + tl.arange(0, SUB)
     gid = tl.load(gtab_ptr + b * max_groups + t).to(tl.int64)
     gh = gid * n_kv_heads + h
     row_off = (gh * GROUP + tok) * PACKED
@@ -91,12 +103,13 @@ def _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_head
 
 
 @triton.jit
-def _quant_values(vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, b, h, t, n_kv_heads, max_groups,
-                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+def _quant_values(vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, b, h, t, sub, n_kv_heads, max_groups,
+                  HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, BITS: tl.constexpr):
+    """Values of tokens ``sub * SUB`` .. ``+ SUB`` of group ``t`` (scale/min per token and GROUP channels)."""
     PACKED: tl.constexpr = HEAD_DIM * BITS // 8
     N_SCALES: tl.constexpr = HEAD_DIM // GROUP
     dim = tl.arange(0, HEAD_DIM)
-    tok = tl.arange(0, GROUP)
+    tok = sub * SUB + tl.arange(0, SUB)
     gid = tl.load(gtab_ptr + b * max_groups + t).to(tl.int64)
     gh = gid * n_kv_heads + h
     scale_off = ((gh * GROUP + tok) * N_SCALES)[:, None] + (dim // GROUP)[None, :]
@@ -217,13 +230,17 @@ def partial_kernel(q_ptr, qpos_ptr, rope_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if HAS_QUANT:
-        all_ok = tl.full([GROUP], 1, tl.int1)
-        for t in range(t0, tl.minimum(t1, n_groups)):
-            k1, k2, kpos = _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_heads,
-                                       max_groups, rope_ptr, HEAD_DIM, GROUP, BITS, ROPE)
+        SUB: tl.constexpr = _group_sub(HEAD_DIM, GROUP)
+        N_SUB: tl.constexpr = GROUP // SUB
+        all_ok = tl.full([SUB], 1, tl.int1)
+        for u in range(t0 * N_SUB, tl.minimum(t1, n_groups) * N_SUB):  # a group's sub-tiles, one by one
+            t = u // N_SUB
+            sub = u % N_SUB
+            k1, k2, kpos = _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, sub, n_kv_heads,
+                                       max_groups, rope_ptr, HEAD_DIM, GROUP, SUB, BITS, ROPE)
             s = _scores(q1, q2, k1, k2, _visible(kpos, all_ok, qpos, sinks, window), qk_scale, PRECISION)
-            v = _quant_values(vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, b, h, t, n_kv_heads, max_groups,
-                              HEAD_DIM, GROUP, BITS)
+            v = _quant_values(vq_ptr, vqs_ptr, vqm_ptr, gtab_ptr, b, h, t, sub, n_kv_heads, max_groups,
+                              HEAD_DIM, GROUP, SUB, BITS)
             m_i, l_i, acc = _online(s, v.to(q1.dtype), m_i, l_i, acc, PRECISION)
     for t in range(tl.maximum(t0, n_groups), t1):
         tf = t - n_groups
@@ -283,21 +300,27 @@ def mass_kernel(q_ptr, qpos_ptr, lse_ptr, rope_ptr,
     n_full = tl.load(nfull_ptr + b)
     out_base = mass_ptr + pid_bh.to(tl.int64) * n_keys_max
     if t < n_groups:
-        all_ok = tl.full([GROUP], 1, tl.int1)
-        k1, k2, kpos = _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, n_kv_heads,
-                                   max_groups, rope_ptr, HEAD_DIM, GROUP, BITS, ROPE)
-        mass = tl.zeros([GROUP], tl.float32)
-        for mb in range(0, tl.cdiv(n_rows, BLOCK_M)):
-            rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-            q1, q2, qpos, ok = _load_rows(q_ptr, qpos_ptr, pid_bh, b, rows, n_rows, HEAD_DIM)
-            lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * n_rows + rows, mask=ok, other=0.0)
-            s = _scores(q1, q2, k1, k2, _visible(kpos, all_ok, qpos, sinks, window), qk_scale, PRECISION)
-            mass += tl.sum(tl.exp2(s - lse[:, None]), 0)
-        tl.store(out_base + t * GROUP + tl.arange(0, GROUP), mass)
+        SUB: tl.constexpr = _group_sub(HEAD_DIM, GROUP)
+        all_ok = tl.full([SUB], 1, tl.int1)
+        for sub in range(0, GROUP // SUB):
+            k1, k2, kpos = _quant_keys(kq_ptr, kqs_ptr, kqm_ptr, gtab_ptr, gpos_ptr, b, h, t, sub, n_kv_heads,
+                                       max_groups, rope_ptr, HEAD_DIM, GROUP, SUB, BITS, ROPE)
+            k1 = k1.to(q_ptr.dtype.element_ty)
+            k2 = k2.to(q_ptr.dtype.element_ty)
+            mass = tl.zeros([SUB], tl.float32)
+            for mb in range(0, tl.cdiv(n_rows, BLOCK_M)):
+                rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+                q1, q2, qpos, ok = _load_rows(q_ptr, qpos_ptr, pid_bh, b, rows, n_rows, HEAD_DIM)
+                lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * n_rows + rows, mask=ok, other=0.0)
+                s = _scores(q1, q2, k1, k2, _visible(kpos, all_ok, qpos, sinks, window), qk_scale, PRECISION)
+                mass += tl.sum(tl.exp2(s - lse[:, None]), 0)
+            tl.store(out_base + t * GROUP + sub * SUB + tl.arange(0, SUB), mass)
     elif t - n_groups < tl.cdiv(n_full, BLOCK_N):
         tf = t - n_groups
         k1, k2, kpos, key_ok = _full_keys(kf_ptr, btab_ptr, fpos_ptr, b, h, tf, n_full, block_size, max_blocks,
                                           sf_blk, sf_tok, sf_head, s_fpos, rope_ptr, HEAD_DIM, BLOCK_N, ROPE)
+        k1 = k1.to(q_ptr.dtype.element_ty)
+        k2 = k2.to(q_ptr.dtype.element_ty)
         mass = tl.zeros([BLOCK_N], tl.float32)
         for mb in range(0, tl.cdiv(n_rows, BLOCK_M)):
             rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -11,13 +11,19 @@ sm_89 and sm_90) and the occupancy arithmetic of ``occupancy.py``:
 
 1. Key tile ``BLOCK_N``: the largest of ``block_n_choices(head_dim)`` whose compiled kernel has no
    spill and keeps at least ``MIN_RESIDENT`` programs per SM (one program's memory wait hides
-   behind another's); else the smallest. Larger tiles mean fewer loop trips and wider loads. The
-   choices themselves come from the compiled numbers: 64 keys only at head dim 64 (see below).
-2. Warps: the table row's — the fewest that compiled without a spill (``compile.py`` compiles each
-   kernel with ``num_warps``'s default, four or eight by tile size, and again with twice the warps
-   where that spilled), else the variant that spilled least; ``num_warps`` where the table has no row.
+   behind another's); else the smallest without a spill. Larger tiles mean fewer loop trips and
+   wider loads. The choices themselves come from the compiled numbers: 64 keys only at head dim 64.
+2. Warps: the table row's (``compile.py`` compiles each kernel with ``num_warps``'s default, four or
+   eight by tile size); ``num_warps`` where the table has no row. Every launch of
+   ``partial_kernel``/``mass_kernel`` passes ``maxnreg``, the registers one block of those warps may
+   hold (``occupancy.register_cap``): left alone, ptxas held some kernels to 128 registers and spilled.
 3. Splits: enough programs for one full wave, SMs × resident programs per SM, divided among the
    (sequence, KV head, row block) programs, capped by the key tiles and ``MAX_SPLITS``.
+
+**Only spill-free specializations are launched**: on a GPU, a table row with spills is never
+chosen, and a launch whose only candidates spill (or that the table lacks) raises instead of
+running; ``tests/kernels_cuda/test_cuda_resources.py`` checks that the committed table has a
+spill-free row for everything the launcher can meet.
 
 The SM count is the device's own; the resources are those of the device's architecture when the
 table has it, else sm_89's (the RTX 4090, the design target: 128 SMs). On CPU (Triton's
@@ -49,6 +55,7 @@ MIN_RESIDENT = 2  # programs per SM a larger tile must keep
 WIDE_TILE = 8192
 MAX_SPLITS = 64
 DESIGN_ARCH = "sm_89"
+LIMITS = occupancy.ARCHS[DESIGN_ARCH]  # register file: the same 64K × 32-bit on sm_89 and sm_90
 TABLE = Path(__file__).with_name("resource_table.json")
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -191,9 +198,13 @@ def choose_launch(view: DeviceView, head_dim: int, dtype: str, segment: str, n_t
     if config.block_n is not None:
         block_n = config.block_n
     else:
-        fits = [bn for bn in choices if resident[bn] >= MIN_RESIDENT
-                and not spills(view.arch, table_key(head_dim, dtype, segment, bn))]
-        block_n = max(fits) if fits else min(choices)
+        clean = [bn for bn in choices if not spills(view.arch, table_key(head_dim, dtype, segment, bn))]
+        if not clean and not view.interpreter:
+            raise RuntimeError(f"no key tile of partial_kernel compiled without a spill for head dim {head_dim}, "
+                               f"{dtype}, {segment} on {view.arch}; run benchmarks/cuda_check/compile.py --table "
+                               f"{TABLE.name}")
+        fits = [bn for bn in clean if resident[bn] >= MIN_RESIDENT]
+        block_n = max(fits) if fits else min(clean or choices)
     n_tiles = max(n_tiles_of(block_n), 1)
     per_sm = max(resident.get(block_n, 0), 1)
     if config.splits is not None:
@@ -204,6 +215,9 @@ def choose_launch(view: DeviceView, head_dim: int, dtype: str, segment: str, n_t
         splits = math.ceil(view.sms * per_sm / max(programs, 1))
     key = table_key(head_dim, dtype, segment, block_n)
     warps = table_warps(view.arch, key, num_warps(head_dim, max(block_n, group)))
+    if not view.interpreter and spills(view.arch, key):
+        raise RuntimeError(f"{key} spills registers on {view.arch} (kernels_cuda/{TABLE.name}); the launcher "
+                           "launches only specializations that compiled without a spill")
     return Launch(block_n, max(1, min(splits, n_tiles, MAX_SPLITS if config.splits is None else n_tiles)),
                   warps, table_warps(view.arch, MASS + key, warps), view.arch, resident.get(block_n, 0))
 
@@ -260,7 +274,8 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
         o_part, m_part, l_part,
         rows, Hkv, max_groups, full.block_size, full.block_table.shape[1], fpos_stride,
         *full.k_strides, *full.v_strides, qk_scale, mask.sinks, window, splits,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=chosen.warps, **common)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=chosen.warps,
+        maxnreg=occupancy.register_cap(LIMITS, chosen.warps), **common)
     out = torch.empty((B, Hkv, rows, D), dtype=q.dtype, device=dev)
     lse = torch.empty((B, Hkv, rows), dtype=torch.float32, device=dev)
     K.merge_kernel[(B * Hkv, m_blocks)](o_part, m_part, l_part, out, lse, rows, splits,
@@ -268,6 +283,10 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
     result = out.reshape(B, Hkv, T, rep, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     if not want_mass:
         return result, None
+    if not DeviceView.of(dev).interpreter and spills(chosen.arch, MASS + table_key(
+            D, DTYPE_NAMES.get(q.dtype, str(q.dtype)), segment, block_n)):
+        raise RuntimeError(f"mass_kernel spills registers on {chosen.arch} at this shape (kernels_cuda/"
+                           f"{TABLE.name}); the launcher launches only specializations that compiled without a spill")
     n_keys = max_groups * g + full.max_tokens
     mass = torch.zeros((B, Hkv, n_keys), dtype=torch.float32, device=dev)
     quant_key_args = quant_args[:3] + quant_args[6:] if qz is not None else (dummy,) * 6
@@ -276,5 +295,6 @@ def run_attention(queries: Queries, full: FullSegment, quant: QuantSegment | Non
         full.k, full.block_table, full.positions, full.n_tokens, mass,
         rows, Hkv, max_groups, full.block_size, full.block_table.shape[1], fpos_stride, n_keys,
         *full.k_strides, qk_scale, mask.sinks, window,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=chosen.mass_warps, **common)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, num_warps=chosen.mass_warps,
+        maxnreg=occupancy.register_cap(LIMITS, chosen.mass_warps), **common)
     return result, mass.sum(dim=1)

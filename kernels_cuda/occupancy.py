@@ -77,3 +77,11 @@ def occupancy(limits: ArchLimits, regs: int, smem: int, warps: int) -> Occupancy
     blocks = by_limit[limiter]
     return Occupancy(blocks, blocks * warps, blocks * warps / limits.max_warps_per_sm,
                      limiter if blocks else "does not fit", by_limit)
+
+
+def register_cap(limits: ArchLimits, warps: int) -> int:
+    """The registers per thread a block of ``warps`` warps may use and still fit on one SM (a
+    multiple of 8, at most the per-thread maximum): what the launcher passes as Triton's
+    ``maxnreg``. Left alone, ptxas sometimes holds a kernel to 128 registers (two blocks per SM)
+    and spills rather than use the registers one block may have."""
+    return min(limits.max_regs_per_thread, limits.regs_per_sm // (warps * WARP) // 8 * 8)

@@ -1,10 +1,10 @@
-"""The tables of docs/benchmarks-cuda.md from compile.py's JSON files (the first pass and the
-eight-warp retry, per architecture) and the launcher's table:
+"""The tables of docs/benchmarks-cuda.md from compile.py's JSON files (one per architecture, or a
+first pass and a ``--only-failed`` retry) and the launcher's table:
 
-    python benchmarks/cuda_check/compile_table.py docs/results/cuda/compile-sm89.json docs/results/cuda/compile-sm90.json docs/results/cuda/compile-sm89-retry.json docs/results/cuda/compile-sm90-retry.json
+    python benchmarks/cuda_check/compile_table.py docs/results/cuda/compile-sm89.json docs/results/cuda/compile-sm90.json
 
 Only what the launcher launches counts: a partial/mass specialization whose warps are not its
-table row's (it spilled, and a retry's variant replaced it) is counted as rejected.
+table row's (a retry's variant replaced it) is counted as rejected.
 
 1. per kernel and head dim, over every dtype, key segment and tile: specializations launched,
    registers (min–max), shared memory (max), resident programs per SM (min), spills, and how many

@@ -190,11 +190,12 @@ def cases(head_dims=None, dtypes=None, gqa=GQA, block_n=None, group_sizes=GROUP_
 
 
 def subset_ci() -> list[Case]:
-    """A representative few for CI (about 30 s on an idle 2-core machine): the policy kernel at head
-    dim 64 with int4 groups and the attention mass (its partial, merge and mass kernels), and
-    quantise-and-append at head dim 256 with eight warps — ones that compiled without a spill on
-    both architectures (docs/benchmarks-cuda.md lists those that do not)."""
-    return [Case("policy", 64, "fp16", 4, bits=4, group=32, block_n=32, want_mass=True),
+    """A representative few for CI: the policy kernel at head dim 128 with 4-bit 64-token groups and
+    the attention mass (partial_kernel there spilled on both architectures before groups were read
+    in sub-tiles and ``maxnreg`` was set), at head dim 256 with 8-bit 32-token groups (mass_kernel
+    there spilled on both), and quantise-and-append at head dim 256 with eight warps."""
+    return [Case("policy", 128, "bf16", 4, bits=4, group=64, block_n=32, want_mass=True),
+            Case("policy", 256, "fp16", 4, bits=8, group=32, block_n=32, want_mass=True),
             Case("append", 256, "fp16", bits=8, group=32)]
 
 

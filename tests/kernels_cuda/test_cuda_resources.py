@@ -115,8 +115,14 @@ def test_launch_takes_the_larger_tile_while_two_programs_fit(table):
     assert launch.choose_launch(view, 64, "fp16", "int4-g32", lambda bn: 3, programs=8).splits == 3
     fixed = launch.choose_launch(view, 64, "fp16", "int4-g32", tiles, 8, launch.LaunchConfig(splits=5, block_n=32))
     assert (fixed.block_n, fixed.splits) == (32, 5)
-    # a shape the table lacks takes the smallest tile
-    assert launch.choose_launch(view, 64, "bf16", "fp-rope", tiles, 8).block_n == 32
+    # a spilling row is never launched on a GPU, even when a config asks for its tile
+    with pytest.raises(RuntimeError, match="d64/bf16/int4-g32/bn64 spills registers on sm_89"):
+        launch.choose_launch(view, 64, "bf16", "int4-g32", tiles, 64, launch.LaunchConfig(block_n=64))
+    # a shape the table lacks: no spill-free row, so a GPU refuses; the interpreter takes the smallest tile
+    with pytest.raises(RuntimeError, match="no key tile of partial_kernel compiled without a spill"):
+        launch.choose_launch(view, 64, "bf16", "fp-rope", tiles, 8)
+    cpu = launch.DeviceView("sm_89", 128, interpreter=True)
+    assert launch.choose_launch(cpu, 64, "bf16", "fp-rope", tiles, 8).block_n == 32
 
 
 def test_warps_come_from_the_table_rows(table):
@@ -145,11 +151,18 @@ def test_table_merge_keeps_the_fewest_spill_free_warps():
     assert merged["m"] == row(128, 8, 4)  # all spill: the variant that spilled least, still marked
 
 
+def test_register_cap_is_what_one_block_may_hold():
+    assert [occupancy.register_cap(SM89, w) for w in (1, 4, 8, 16, 32)] == [255, 255, 255, 128, 64]
+    assert occupancy.register_cap(SM90, 8) == 255 and occupancy.register_cap(SM90, 12) == 168
+
+
 def test_committed_table_covers_every_choice():
     """Every (head dim, dtype, segment, tile) the launcher can meet has a row on sm_89 and sm_90 that
-    fits the SM, and the launcher's choice comes from it (docs/benchmarks-cuda.md lists the rows
-    that still spill)."""
+    fits the SM and compiled without a spill (partial_kernel's and mass_kernel's), and the
+    launcher's choice comes from it."""
     table = launch.resource_table()
+    for arch in ("sm_89", "sm_90"):
+        assert table[arch] and all(row["spills"] == 0 for row in table[arch].values()), arch
     segments = ["fp-norope", "fp-rope"] + [f"int{b}-g{g}" for b in (4, 8) for g in (32, 64)]
     for arch in ("sm_89", "sm_90"):
         limits = occupancy.ARCHS[arch]
@@ -158,6 +171,8 @@ def test_committed_table_covers_every_choice():
                 for seg in segments:
                     for bn in launch.block_n_choices(D):
                         row = table[arch][launch.table_key(D, dt, seg, bn)]
+                        if seg != "fp-norope":  # the mass is the policy cache's (keys rotated in the kernel)
+                            assert table[arch][launch.MASS + launch.table_key(D, dt, seg, bn)]["spills"] == 0
                         assert row["warps"] in (4, 8, 16)
                         assert occupancy.occupancy(limits, row["registers"], row["shared"], row["warps"]).blocks_per_sm >= 1
                     chosen = launch.choose_launch(launch.DeviceView(arch, limits.sms), D, dt, seg, lambda bn: 1024, 8)
