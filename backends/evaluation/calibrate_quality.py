@@ -22,10 +22,12 @@ from localctx.kvcache.quality_calibration import QualityCalibration, identity
 
 # llama.cpp: every format streams TOKENS tokens of text, one thread per cache and as many caches at once as
 # there are threads, and every STRIDE-th prediction is scored (logits only there: the output layer is a
-# quarter of a 0.5B model's work per token); 2,048 positions spread over 4,096 for a 0.5B model in about
-# six CPU minutes. The torch evaluator computes every row anyway and scores each (stride 1).
-TOKENS = 4096
+# quarter of a 0.5B model's work per token): 1,536 positions spread over 3,072 tokens, about 6 CPU minutes
+# for a 0.5B Q4_K_M model on 2 cores (docs/quality.md "Calibration time").
+# The torch evaluator computes every row anyway: TORCH_TOKENS tokens, each prediction scored (stride 1).
+TOKENS = 3072
 STRIDE = 2
+TORCH_TOKENS = 2048
 CHUNK = 256  # tokens per forward
 FORMATS = ("int8", "k8v4", "kf16v4", "int4+res128", "int4")  # those the backend does not refuse are measured
 
@@ -52,8 +54,10 @@ def formats_for(backend: str, spec: ModelSpec) -> list[KVPolicy]:
     return [p for p in map(KVPolicy.parse, FORMATS) if not engine.refusals(p, spec)]
 
 
-def task_for(backend: str, tokens: int = TOKENS) -> PerplexityTask:
-    return PerplexityTask(tokens + 1, CHUNK, stride=STRIDE if backend == "llamacpp" else 1)
+def task_for(backend: str, tokens: int | None = None) -> PerplexityTask:
+    if backend == "llamacpp":
+        return PerplexityTask((tokens or TOKENS) + 1, CHUNK, stride=STRIDE)
+    return PerplexityTask((tokens or TORCH_TOKENS) + 1, CHUNK)
 
 
 def measured_words(task: PerplexityTask, spec: ModelSpec) -> str:
@@ -82,7 +86,7 @@ def run_evaluation(backend: str, ref: ModelRef, policies: list[KVPolicy], task: 
                     "add --backend llamacpp or --backend torch")
 
 
-def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int = TOKENS, on_chunk=None,
+def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int | None = None, on_chunk=None,
               threads: int | None = None) -> QualityCalibration:
     if ref.kind not in ("gguf", "hf"):
         raise UserError(f"--calibrate-quality measures a local model file; {ref.name} is not one")
