@@ -23,7 +23,8 @@ def register(sub) -> None:
                    help="whose KV cache to measure: torch's policy caches (default), llama.cpp's cache types, "
                         "or MLX's policy caches")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="llama.cpp threads (default: the physical cores; torch reads LOCALCTX_TORCH_THREADS)")
+                   help="llama.cpp threads (default: the physical cores; several caches in lockstep decode one "
+                        "thread each, N at once; torch reads LOCALCTX_TORCH_THREADS)")
     p.add_argument("--kv", action="append", default=[], metavar="POLICY",
                    help="a KV policy to evaluate (repeatable), e.g. int8, int4+res128, int4+sink4+win2048")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of text streamed for perplexity (default 8192)")

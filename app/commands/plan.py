@@ -133,9 +133,11 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 def _calibrate_quality(req: SessionRequest) -> None:
     """Measure every lossy format the backend offers on this model and cache it (one line when done)."""
+    import resource
     import time
 
-    from localctx.backends.evaluation.calibrate_quality import TOKENS, calibrate, formats_for, progress_bar
+    from localctx.backends.evaluation.calibrate_quality import (calibrate, formats_for, measured_words, progress_bar,
+                                                                 task_for)
     from localctx.kvcache import quality_calibration
 
     if req.hardware:
@@ -146,11 +148,13 @@ def _calibrate_quality(req: SessionRequest) -> None:
     ref, spec = resolve_model(req)
     formats = ", ".join(map(str, formats_for(req.backend, spec)))
     print(f"calibrating KV quality of {spec.name} on {req.backend}: {formats} against full precision, "
-          f"{TOKENS:,} tokens of built-in text each, in lockstep", file=sys.stderr)
+          f"{measured_words(task_for(req.backend), spec)}, in lockstep", file=sys.stderr)
     started = time.perf_counter()
     cal = calibrate(req.backend, ref, spec, on_chunk=progress_bar())
     path = quality_calibration.save(cal, ref.path)
-    print(f"quality calibration saved to {path} ({time.perf_counter() - started:.0f} s): "
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    print(f"quality calibration saved to {path} ({time.perf_counter() - started:.0f} s wall, "
+          f"{cpu.ru_utime + cpu.ru_stime:.0f} s CPU): "
           + ", ".join(f"{fmt} KLD {f['mean_kld']:.4f}" for fmt, f in cal.figures.items()), file=sys.stderr)
 
 

@@ -20,7 +20,14 @@ from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quality import format_key
 from localctx.kvcache.quality_calibration import QualityCalibration, identity
 
-TOKENS = 2048  # scored tokens of text per format (every format streams the same tokens)
+# llama.cpp: every format streams TOKENS tokens of text, one thread per cache and as many caches at once as
+# there are threads, and every STRIDE-th prediction is scored (logits only there: the output layer is a
+# quarter of a 0.5B model's work per token): 1,536 positions spread over 3,072 tokens, about 6 CPU minutes
+# for a 0.5B Q4_K_M model on 2 cores (docs/quality.md "Calibration time").
+# The torch evaluator computes every row anyway: TORCH_TOKENS tokens, each prediction scored (stride 1).
+TOKENS = 3072
+STRIDE = 2
+TORCH_TOKENS = 2048
 CHUNK = 256  # tokens per forward
 FORMATS = ("int8", "k8v4", "kf16v4", "int4+res128", "int4")  # those the backend does not refuse are measured
 
@@ -47,6 +54,21 @@ def formats_for(backend: str, spec: ModelSpec) -> list[KVPolicy]:
     return [p for p in map(KVPolicy.parse, FORMATS) if not engine.refusals(p, spec)]
 
 
+def task_for(backend: str, tokens: int | None = None) -> PerplexityTask:
+    if backend == "llamacpp":
+        return PerplexityTask((tokens or TOKENS) + 1, CHUNK, stride=STRIDE)
+    return PerplexityTask((tokens or TORCH_TOKENS) + 1, CHUNK)
+
+
+def measured_words(task: PerplexityTask, spec: ModelSpec) -> str:
+    """What a calibration measures, in words (printed before it runs and kept in its note)."""
+    n = task.n_tokens - 1
+    scored = len(range(1, n + 1, task.stride))
+    every = f"every {task.stride}{'nd' if task.stride == 2 else 'th'} prediction" if task.stride > 1 else "every prediction"
+    return (f"{n:,} tokens of built-in text (pydoc_data.topics), {every} scored: {scored:,} positions "
+            f"from 1 to {n:,} of the {spec.context_length:,} trained")
+
+
 def run_evaluation(backend: str, ref: ModelRef, policies: list[KVPolicy], task: PerplexityTask, on_chunk,
                    threads: int | None = None):
     """The engine's evaluator over the full-precision cache and ``policies``, in lockstep."""
@@ -64,7 +86,7 @@ def run_evaluation(backend: str, ref: ModelRef, policies: list[KVPolicy], task: 
                     "add --backend llamacpp or --backend torch")
 
 
-def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int = TOKENS, on_chunk=None,
+def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int | None = None, on_chunk=None,
               threads: int | None = None) -> QualityCalibration:
     if ref.kind not in ("gguf", "hf"):
         raise UserError(f"--calibrate-quality measures a local model file; {ref.name} is not one")
@@ -73,7 +95,8 @@ def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int = TOKENS
         raise UserError(f"the {backend} backend offers no lossy KV format for {spec.name}: nothing to calibrate")
     started = time.perf_counter()
     ident = identity(ref.path)  # before the run: a file replaced meanwhile does not get this result
-    reports = run_evaluation(backend, ref, policies, PerplexityTask(tokens + 1, CHUNK), on_chunk, threads)
+    task = task_for(backend, tokens)
+    reports = run_evaluation(backend, ref, policies, task, on_chunk, threads)
     wall = time.perf_counter() - started
     figures = {}
     for report in reports[1:]:
@@ -85,6 +108,6 @@ def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int = TOKENS
         backend, ident, figures,
         command=f"localctx plan --calibrate-quality -m {ref.path} --backend {backend}",
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        note=f"{tokens:,} tokens of pydoc_data.topics per format in {wall:.0f} s; {load_note()}",
+        note=f"{measured_words(task, spec)}, per format, in {wall:.0f} s; {load_note()}",
         extra={"model_name": spec.name, "head_dim": spec.head_dim, "n_params": spec.n_params,
                "reference_ppl": reports[0].perplexity.ppl, "wall_s": round(wall, 1)})

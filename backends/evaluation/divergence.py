@@ -30,9 +30,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
 
-def kl_rows(ref_logp: np.ndarray, logp: np.ndarray) -> np.ndarray:
-    """KL(p || q) per row from log-probabilities (never negative: rounding below zero is clipped)."""
-    return np.maximum((np.exp(ref_logp) * (ref_logp - logp)).sum(axis=1), 0.0)
+def kl_rows(ref_logp: np.ndarray, logp: np.ndarray, ref_p: np.ndarray | None = None) -> np.ndarray:
+    """KL(p || q) per row from log-probabilities (never negative: rounding below zero is clipped);
+    ``ref_p`` = exp(ref_logp) where the caller has it already (one per block for every policy)."""
+    ref_p = np.exp(ref_logp) if ref_p is None else ref_p
+    return np.maximum((ref_p * (ref_logp - logp)).sum(axis=1), 0.0)
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,10 @@ class DivergenceMeter:
     nll: list = field(default_factory=list)
     ref_nll: list = field(default_factory=list)
 
-    def add(self, ref_logp: np.ndarray, logp: np.ndarray, targets: np.ndarray) -> None:
+    def add(self, ref_logp: np.ndarray, logp: np.ndarray, targets: np.ndarray,
+            ref_p: np.ndarray | None = None) -> None:
         rows = np.arange(len(targets))
-        self.kld.extend(kl_rows(ref_logp, logp).tolist())
+        self.kld.extend(kl_rows(ref_logp, logp, ref_p).tolist())
         self.agree += int((ref_logp.argmax(axis=1) == logp.argmax(axis=1)).sum())
         self.nll.extend((-logp[rows, targets]).tolist())
         self.ref_nll.extend((-ref_logp[rows, targets]).tolist())
@@ -89,10 +92,11 @@ def compare(ref_logits: np.ndarray, logits: Sequence[np.ndarray], targets: Seque
         b = min(n, a + rows)
         t, idx, keep = targets[a:b], np.arange(b - a), slice(max(0, first - a), None)
         ref_logp = log_softmax(ref_logits[a:b])
+        ref_p = np.exp(ref_logp[keep]) if meters and b > first else None
         nll[0][a:b] = -ref_logp[idx, t]
         for j, (policy_logits, meter) in enumerate(zip(logits, meters)):
             logp = log_softmax(policy_logits[a:b])
             nll[j + 1][a:b] = -logp[idx, t]
             if b > first:
-                meter.add(ref_logp[keep], logp[keep], t[keep])
+                meter.add(ref_logp[keep], logp[keep], t[keep], ref_p)
     return nll

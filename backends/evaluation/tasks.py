@@ -42,6 +42,12 @@ class PerplexityTask:
     chunk: int = 128  # tokens per forward (a decode step sees the cache as it stands)
     score_from: int = 0  # score predictions of tokens [score_from, n_tokens)
     segment: int = 0  # also report perplexity per segment of this many tokens (0 = off)
+    stride: int = 1  # score every stride-th prediction from score_from on (the others are only streamed)
+
+    def scores(self, position: int) -> bool:
+        """Whether the prediction of token ``position`` is scored."""
+        first = max(1, self.score_from)
+        return position >= first and (position - first) % self.stride == 0
 
 
 @dataclass(frozen=True)
@@ -94,11 +100,12 @@ def perplexity_result(nll: Sequence[float], task: PerplexityTask, kv_bytes: int,
     lo = max(1, task.score_from)
 
     def ppl(a: int, b: int) -> float:
-        return math.exp(math.fsum(nll[a:b]) / (b - a))
+        picked = [nll[i] for i in range(a, b) if task.scores(i)]
+        return math.exp(math.fsum(picked) / max(1, len(picked)))
 
     segments = [(a, min(n, a + task.segment), ppl(a, min(n, a + task.segment)))
                 for a in range(lo, n, task.segment)] if task.segment else []
-    return PerplexityResult(ppl(lo, n), n - lo, segments, kv_bytes, kv_tokens, seconds)
+    return PerplexityResult(ppl(lo, n), len(range(lo, n, task.stride)), segments, kv_bytes, kv_tokens, seconds)
 
 
 def passkey_prompt(tokenizer: Encoder, length: int, depth: float, key: str) -> list[int]:

@@ -94,17 +94,19 @@ class LlamaCppEvaluator:
         if reasons:
             raise UserError(f"llama.cpp cannot run --kv {policy}: {reasons[0]}")
 
-    def session(self, policy: KVPolicy, context: int):
+    def session(self, policy: KVPolicy, context: int, threads: int | None = None):
         from localctx.backends.llamacpp.session import LlamaCppSession
 
         self.refuse(policy)
-        return LlamaCppSession(self.ref, Plan.fixed("llamacpp", self.spec, policy, context), threads=self.threads)
+        return LlamaCppSession(self.ref, Plan.fixed("llamacpp", self.spec, policy, context),
+                               threads=threads or self.threads)
 
     # -- decoding a batch ------------------------------------------------------------------------
     @staticmethod
-    def _decode(session, batch: Sequence[int], all_logits: bool) -> np.ndarray:
+    def _decode(session, batch: Sequence[int], rows: Sequence[int] | None = None) -> np.ndarray:
         """Evaluates ``batch`` after what the cache holds (shifting the window first when the policy
-        has one); the logits of every position (``all_logits``) or of the last, as float32 rows."""
+        has one); a copy of the logits of the batch positions ``rows`` (default: the last), as float32
+        rows. llama.cpp computes the output layer only for those rows."""
         import llama_cpp
 
         llm = session.llm
@@ -113,16 +115,22 @@ class LlamaCppEvaluator:
         n_past = int(llm.n_tokens)
         if n_past + len(batch) > llm.n_ctx():
             raise RuntimeError(f"{n_past + len(batch)} tokens do not fit llama.cpp's context of {llm.n_ctx()}")
-        llm._batch.set_batch(batch=list(batch), n_past=n_past, logits_all=all_logits)
+        rows = [len(batch) - 1] if rows is None else list(rows)
+        llm._batch.set_batch(batch=list(batch), n_past=n_past, logits_all=False)
+        flags = llm._batch.batch.logits
+        for i in range(len(batch)):
+            flags[i] = False
+        for i in rows:
+            flags[i] = True
         llm._ctx.decode(llm._batch)
         llm.input_ids[n_past:n_past + len(batch)] = batch
         llm.n_tokens = n_past + len(batch)
         if session._shift:
             session._shift.stream.extend(batch)
-        rows = len(batch) if all_logits else 1
-        ptr = llama_cpp.llama_get_logits(llm._ctx.ctx) if all_logits else \
-            llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(rows, llm.n_vocab()))
+        # one sequence in one batch: llama.cpp keeps the outputs in batch order
+        vocab = llm.n_vocab()
+        return np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, i), shape=(vocab,))
+                         for i in rows]) if rows else np.empty((0, vocab), np.float32)
 
     @staticmethod
     def _step(session, chunk: int) -> int:
@@ -139,11 +147,17 @@ class LlamaCppEvaluator:
         return self.lockstep([session], ids, task, reference=False)[0][0]
 
     def lockstep(self, sessions: list, ids: Sequence[int], task: PerplexityTask, reference: bool = True,
-                 on_chunk=None) -> list[tuple[PerplexityResult, Divergence | None]]:
+                 on_chunk=None, workers: int = 1) -> list[tuple[PerplexityResult, Divergence | None]]:
         """The text streamed through every session a chunk at a time, each scored against its cache as
         it stands; with ``reference``, ``sessions[0]`` is the full-precision cache and every other
         session's next-token distribution is compared with its on the same positions
-        (backends/evaluation/divergence.py). ``on_chunk(done, total)`` after each chunk."""
+        (backends/evaluation/divergence.py). Only the predictions ``task`` scores get logits.
+
+        ``workers`` sessions decode at once (llama.cpp releases the GIL; give each session one thread
+        then: no thread barriers, which spin and stall on a busy machine), and the previous chunk is
+        scored meanwhile. ``on_chunk(done, total)`` after each chunk."""
+        from concurrent.futures import ThreadPoolExecutor
+
         started = time.perf_counter()
         tokens = list(ids)[:task.n_tokens]
         n = len(tokens)
@@ -151,22 +165,34 @@ class LlamaCppEvaluator:
             session.reset()
         nll = [[0.0] * n for _ in sessions]  # nll[j][i]: -log p(token i | tokens < i) through session j
         meters = [DivergenceMeter() for _ in sessions[1:]]
-        first = max(1, task.score_from)
         step = min(self._step(session, task.chunk) for session in sessions)
-        for start in range(0, n - 1, step):
-            end = min(start + step, n - 1)
-            scored = end >= first  # a batch whose predictions are all unscored needs one row
-            outs = [self._decode(session, tokens[start:end], all_logits=scored) for session in sessions]
-            if scored:
-                targets = tokens[start + 1:end + 1]
-                if reference:
-                    rows = compare(outs[0], outs[1:], targets, meters, first=first - 1 - start)
-                else:
-                    rows = [next_token_nll(out, targets) for out in outs]
-                for j, row in enumerate(rows):
-                    nll[j][start + 1:end + 1] = list(row)
-            if on_chunk:
-                on_chunk(end, n - 1)
+
+        def score(start: int, rows: list[int], outs: list[np.ndarray]) -> None:
+            targets = [tokens[start + 1 + i] for i in rows]
+            if reference:
+                got = compare(outs[0], outs[1:], targets, meters)
+            else:
+                got = [next_token_nll(out, targets) for out in outs]
+            for j, row in enumerate(got):
+                for i, value in zip(rows, row):
+                    nll[j][start + 1 + i] = float(value)
+
+        pending = None
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            for start in range(0, n - 1, step):
+                end = min(start + step, n - 1)
+                rows = [i for i in range(end - start) if task.scores(start + 1 + i)]
+                # a batch whose predictions are all unscored still needs one row (llama.cpp's last)
+                futures = [pool.submit(self._decode, session, tokens[start:end], rows or None)
+                           for session in sessions]
+                if pending:
+                    score(*pending)
+                outs = [f.result() for f in futures]
+                pending = (start, rows, outs) if rows else None
+                if on_chunk:
+                    on_chunk(end, n - 1)
+            if pending:
+                score(*pending)
         seconds = time.perf_counter() - started
         out = []
         for j, session in enumerate(sessions):
@@ -183,12 +209,12 @@ class LlamaCppEvaluator:
         session.reset()
         step = self._step(session, chunk)
         for start in range(0, len(ids), step):
-            logits = self._decode(session, ids[start:start + step], all_logits=False)
+            logits = self._decode(session, ids[start:start + step])
         out = []
         for _ in range(n_new):
             tok = int(logits[0].argmax())
             out.append(tok)
-            logits = self._decode(session, [tok], all_logits=False)
+            logits = self._decode(session, [tok])
         return self.tokenizer.decode(out)
 
     # -- one policy ------------------------------------------------------------------------------
@@ -212,12 +238,17 @@ def evaluate(evaluator: LlamaCppEvaluator, policies: Sequence[KVPolicy], ppl: Pe
     samples = list(long_tasks.samples(evaluator.tokenizer, suite)) if suite else []
     reports = [PolicyReport(str(policy), policy.exact) for policy in ordered]
     if ppl:
+        from localctx.backends.llamacpp.session import default_threads
+
         sessions = []
+        # several caches: one thread each, as many decoding at once as there are threads
+        workers = min(len(ordered), evaluator.threads or default_threads())
         try:
             for policy, report in zip(ordered, reports):
-                sessions.append(evaluator.session(policy, len(ids)))
+                sessions.append(evaluator.session(policy, len(ids), threads=1 if len(ordered) > 1 else None))
                 report.backend_settings = evaluator.settings(sessions[-1])
-            results = evaluator.lockstep(sessions, ids, ppl, reference=baseline, on_chunk=on_chunk)
+            results = evaluator.lockstep(sessions, ids, ppl, reference=baseline, on_chunk=on_chunk,
+                                         workers=workers if len(ordered) > 1 else 1)
         finally:
             for session in sessions:
                 session.close()

@@ -118,3 +118,20 @@ def test_run_json_stats_carry_the_chosen_formats_figure_and_the_offer_is_made_on
     assert second.code == 0, second.err
     assert json.loads(second.out)["stats"]["kv_quality"]["mean_kld"] == 0.002
     assert "--calibrate-quality" not in second.err
+
+
+def test_calibrate_quality_measures_every_format_on_the_strided_positions_it_names(cli, tiny, monkeypatch):
+    """The real command on a tiny GGUF (a short text): it says what it measures, the saved file holds a
+    measured figure per format llama.cpp offers over exactly those positions, and q4_0 costs more than q8_0."""
+    from localctx.backends.evaluation import calibrate_quality
+
+    monkeypatch.setattr(calibrate_quality, "TOKENS", 96)
+    r = cli("plan", "-m", str(tiny), "--backend", "llamacpp", "--calibrate-quality", "--json")
+    assert r.code == 0, r.err
+    assert "96 tokens of built-in text (pydoc_data.topics), every 2nd prediction scored: 48 positions from 1 to 96 " \
+           "of the 32,768 trained" in r.err
+    cal, _ = quality_calibration.load(tiny, "llamacpp")
+    assert set(cal.figures) == {"int8", "k8v4", "kf16v4", "int4"}
+    assert all(f["tokens"] == 48 for f in cal.figures.values())
+    assert 0 < cal.figures["int8"]["mean_kld"] < cal.figures["int4"]["mean_kld"]
+    assert "48 positions" in cal.note

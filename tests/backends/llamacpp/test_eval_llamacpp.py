@@ -149,12 +149,12 @@ def test_two_full_precision_sessions_in_lockstep_diverge_by_exactly_zero(tiny):
 def test_q4_0_kld_matches_numpy_against_one_batch_full_precision_logits(tiny, capsys, monkeypatch):
     from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator
 
-    seen = []  # every session's logits, in lockstep order: fp16, q8_0, q4_0 per chunk
+    seen = {}  # every session's logits per chunk, by policy (the sessions decode on worker threads)
     decode = LlamaCppEvaluator._decode
 
-    def spy(session, batch, all_logits):
-        out = decode(session, batch, all_logits)
-        seen.append(np.array(out, dtype=np.float64))
+    def spy(session, batch, rows=None):
+        out = decode(session, batch, rows)
+        seen.setdefault(str(session.plan.policy), []).append(np.array(out, dtype=np.float64))
         return out
 
     monkeypatch.setattr(LlamaCppEvaluator, "_decode", staticmethod(spy))
@@ -166,7 +166,7 @@ def test_q4_0_kld_matches_numpy_against_one_batch_full_precision_logits(tiny, ca
     assert 0 < d8["mean_kld"] < d4["mean_kld"]  # lossy, and q4_0 more than q8_0
     ids = text_tokens(LlamaCppTokenizer(resolve(str(tiny))), 160)
     ref = one_batch_logits(tiny, ids)
-    q4 = np.concatenate(seen[2::3])
+    q4 = np.concatenate(seen["int4"])
     lp = ref - ref.max(1, keepdims=True)
     lp -= np.log(np.exp(lp).sum(1, keepdims=True))
     lq = q4 - q4.max(1, keepdims=True)
@@ -177,6 +177,35 @@ def test_q4_0_kld_matches_numpy_against_one_batch_full_precision_logits(tiny, ca
     assert d4["p99_kld"] == pytest.approx(np.percentile(kl, 99), rel=2e-3, abs=1e-6)
     assert d4["top1"] == pytest.approx((lp.argmax(1) == lq.argmax(1)).mean(), abs=1 / 159)
     assert d4["ppl"] == pytest.approx(rows["int4"]["perplexity"]["ppl"], rel=1e-9)
+
+
+def test_strided_scoring_on_parallel_sessions_equals_every_position_on_one_thread(tiny):
+    """Scoring every 3rd prediction (logits only there), with two sessions decoding at once, gives the
+    per-position figures of the one-thread every-position run at those positions."""
+    from localctx.backends.evaluation.tasks import PerplexityTask
+    from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator
+    from localctx.kvcache.policy import KVPolicy
+
+    ev = LlamaCppEvaluator(resolve(str(tiny)), threads=1)
+    ids = text_tokens(ev.tokenizer, 161)
+    runs = {}
+    for stride, workers in ((1, 1), (3, 2)):
+        sessions = [ev.session(p, 161, threads=1) for p in (KVPolicy(), KVPolicy.parse("int4"))]
+        try:  # segments of one token: every position's perplexity, exp(nll)
+            task = PerplexityTask(161, 32, score_from=5, segment=1 if stride == 1 else 0, stride=stride)
+            runs[stride] = ev.lockstep(sessions, ids, task, workers=workers)
+        finally:
+            for s in sessions:
+                s.close()
+    (full_ref, _), (full, d_full) = runs[1]
+    (ref3, _), (q3, d3) = runs[3]
+    picked = range(5, 161, 3)  # predictions of tokens 5..160
+    assert d3.scored == len(picked) == q3.scored == ref3.scored and d_full.scored == 156
+    for every, strided in ((full_ref, ref3), (full, q3)):
+        by_position = {a: math.log(p) for a, _, p in every.segments}
+        assert strided.ppl == pytest.approx(math.exp(sum(by_position[i] for i in picked) / len(picked)), rel=1e-4)
+    assert d3.ref_ppl == pytest.approx(ref3.ppl, rel=1e-9) and d3.ppl == pytest.approx(q3.ppl, rel=1e-9)
+    assert 0 < d3.mean_kld and 0 < d_full.mean_kld
 
 
 def one_batch_logits(path, ids: list[int]) -> np.ndarray:
