@@ -32,17 +32,20 @@ CHUNK = 256  # tokens per forward
 FORMATS = ("int8", "k8v4", "kf16v4", "int4+res128", "int4")  # those the backend does not refuse are measured
 
 
-def progress_bar(out=sys.stderr, width: int = 30) -> Callable[[int, int], None]:
-    """``(done, total)`` → one redrawn line: a bar, tokens streamed, elapsed seconds."""
+def progress_bar(out=None, width: int = 30) -> Callable[[int, int], None]:
+    """``(done, total)`` → one redrawn line: a bar, tokens streamed, elapsed seconds. Without ``out`` it
+    writes to whatever ``sys.stderr`` is when it draws (a default bound at import would keep a stream
+    that a test runner or a caller has since closed)."""
     started = time.perf_counter()
 
     def show(done: int, total: int) -> None:
+        stream = out if out is not None else sys.stderr
         filled = round(width * done / max(total, 1))
-        out.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done:,}/{total:,} tokens "
-                  f"{time.perf_counter() - started:5.0f} s")
+        stream.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done:,}/{total:,} tokens "
+                     f"{time.perf_counter() - started:5.0f} s")
         if done >= total:
-            out.write("\n")
-        out.flush()
+            stream.write("\n")
+        stream.flush()
 
     return show
 

@@ -38,6 +38,8 @@ def test_answers_come_from_the_child_and_reuse_its_cache(history, monkeypatch):
         async with app.run_test(size=SIZE) as pilot:
             chat = app.chat
             await wait_until(pilot, lambda: chat.engine.session is not None, timeout=60)
+            # the reader thread sets the session before the UI handles the Loaded message: the panel follows
+            await wait_until(pilot, lambda: chat.panel.figures.state != "starting", timeout=10)
             assert chat.engine.process.pid != os.getpid() and chat.engine.process.is_alive()
             assert chat.facts.backend == "fake" and chat.panel.figures.state == "idle"
             await send_and_wait(pilot, "first question", timeout=30)
