@@ -25,7 +25,8 @@ class ChatApp(App):
 
     def on_mount(self) -> None:
         self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        if isinstance(self.engine, ChatEngine):  # with the model in a child, no thread here decodes
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     def on_unmount(self) -> None:
         sys.setswitchinterval(self._switch_interval)

@@ -19,7 +19,10 @@ FRAME_INTERVAL = 0.1  # seconds between two frames of a streaming answer (at mos
 # use every core and spin-wait for each other, so a core's time taken by the UI stalls them all:
 # the decoder loses about what the UI takes (docs/benchmarks.md, "The chat against `localctx run`").
 UI_SHARE = 0.02
-MAX_INTERVAL = 1.0  # however slow the drawing, the answer moves at least once a second
+# However slow the drawing, the answer moves at least every MAX_INTERVAL. On a 2-core host under
+# load a frame of a long answer costs the UI thread 20-40 ms: at a 1 s cap the UI took ~4% of a core
+# and the chat decoded ~5% slower than `localctx run`; 2 s lets the pacer keep its UI_SHARE there.
+MAX_INTERVAL = 2.0
 
 
 @dataclass(frozen=True)

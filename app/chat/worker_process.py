@@ -2,8 +2,9 @@
 
 ProcessEngine has ChatEngine's interface (load, answer, stop, reset, replan, close) and the same
 results (Loaded, Streamed, Failed, Notice, Replanned), but the session lives in a child process
-started with ``spawn``. Commands go down one pipe, results come back up it; a reader thread in the
-UI process hands each result to ``emit``. The UI's event loop and the decoder no longer share a GIL,
+started with ``spawn``. Commands go down one pipe, results come back up it (streamed tokens in
+batches, at most one message per BATCH_S); a reader thread in the UI process hands each result to
+``emit``. The UI's event loop and the decoder no longer share a GIL,
 so drawing a frame never delays the next token (docs/benchmarks.md, "The chat against `localctx run`").
 
 In the child, a reader thread takes commands off the pipe: ``stop`` sets the running answer's cancel
@@ -16,6 +17,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from localctx.app.chat.chat_engine import ChatEngine, Emit, Failed, Loaded, Notice, Replanned, Streamed
@@ -25,6 +27,10 @@ from localctx.kvcache.errors import RuntimeFailure
 from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.plan import Plan
 
+# The child sends streamed tokens in batches, at most one message per BATCH_S (the first token and the
+# final event go at once): the UI draws at most 10 frames a second anyway, and each message costs the UI
+# process a wake-up and an unpickle, CPU taken from the decoder's threads on a 2-core machine.
+BATCH_S = 0.1
 CLOSE_WAIT_S = 10.0  # how long close() waits for the child to release the model before ending it
 ORPHAN_EXIT_S = 5.0  # a child whose UI process went away exits after at most this long
 
@@ -54,6 +60,47 @@ class SessionInfo:
         return cls(session.backend_name, session.spec, session.plan)
 
 
+@dataclass(frozen=True)
+class StreamBatch:
+    """Streamed events of one answer, in order, sent as one message."""
+    turn: int
+    events: tuple
+
+
+class Batcher:
+    """Collects one answer's Streamed events and says when to send them: the answer's first at once,
+    then at most once per ``interval``, the final event at once; anything else flushes what is held."""
+
+    def __init__(self, interval: float = BATCH_S, clock=time.monotonic):
+        self.interval = interval
+        self.clock = clock
+        self.turn: int | None = None
+        self.events: list = []
+        self.sent_at = float("-inf")
+
+    def add(self, item: Streamed) -> list[object]:
+        """The messages to send now (possibly none) for this streamed event."""
+        out = []
+        if item.turn != self.turn:  # another answer: the last one's events go first, this one's first token at once
+            out, self.sent_at = self.flush(), float("-inf")
+        self.turn = item.turn
+        self.events.append(item.event)
+        if item.event.kind == "done":
+            out += self.flush()
+            self.sent_at = float("-inf")  # the next answer's first token goes at once
+        elif self.clock() - self.sent_at >= self.interval:
+            out += self.flush()
+        return out
+
+    def flush(self) -> list[object]:
+        if not self.events:
+            return []
+        batch = StreamBatch(self.turn, tuple(self.events))
+        self.events = []
+        self.sent_at = self.clock()
+        return [batch]
+
+
 # -- the child ---------------------------------------------------------------------------------
 class _Child:
     def __init__(self, conn, opener: Opener, params: GenerationParams):
@@ -66,16 +113,21 @@ class _Child:
         self.stopped_upto = 0  # answers of turns up to this one are stopped (a stop may arrive before its answer)
         self.running_turn = 0
         self.cancel: threading.Event | None = None
+        self.batcher = Batcher()
 
     def send(self, payload: object) -> None:
-        """Results for the UI; a Loaded or Replanned carries the session's facts, not the session."""
+        """Results for the UI; a Loaded or Replanned carries the session's facts, not the session;
+        streamed events go in batches (Batcher)."""
         if isinstance(payload, Loaded) and payload.session is not None:
             payload = Loaded(SessionInfo.of(payload.session))
         elif isinstance(payload, Replanned) and payload.session is not None:
             payload = Replanned(SessionInfo.of(payload.session), payload.message)
         with self.send_lock:
+            messages = self.batcher.add(payload) if isinstance(payload, Streamed) else \
+                self.batcher.flush() + [payload]
             try:
-                self.conn.send(payload)
+                for message in messages:
+                    self.conn.send(message)
             except (OSError, EOFError):
                 pass  # the UI process has gone: the reader thread ends this process
 
@@ -239,11 +291,17 @@ class ProcessEngine:
                 payload = self._conn.recv()
             except (OSError, EOFError, ValueError):
                 break
+            if isinstance(payload, StreamBatch):
+                for event in payload.events:
+                    if event.kind == "done":
+                        self._ended(("answer", payload.turn))
+                    self._emit(Streamed(payload.turn, event))
+                continue
             if isinstance(payload, Loaded | Replanned) and payload.session is not None:
                 self.session = payload.session
             if isinstance(payload, Replanned):
                 self._ended(("replan", 0))
-            elif isinstance(payload, Failed) or (isinstance(payload, Streamed) and payload.event.kind == "done"):
+            elif isinstance(payload, Failed):
                 self._ended(("answer", payload.turn))
             self._emit(payload)
         if not self._closing:
