@@ -10,6 +10,7 @@ from localctx.backends.mlx import lm_attention, lm_cache  # noqa: E402
 from localctx.backends.mlx.lm_attention import HeldKV  # noqa: E402
 from localctx.kernels_metal.quant import (QuantFormat, dequantize_keys, dequantize_values, quantize_keys,  # noqa: E402
                                          quantize_values, unpack)
+from test_mlx_backend import tiny_folder, tiny_session  # noqa: E402,F401  (tiny_folder is a fixture)
 
 D = 64
 
@@ -98,8 +99,6 @@ def test_the_transposed_keys_are_kvcache_quants_codes(bits):
 def test_an_mlx_lm_model_attends_from_the_codes_with_the_dense_logits(tiny_folder, monkeypatch):  # noqa: F811
     """int4 inside an mlx-lm model: every layer's attention goes through lm_attention (the routing),
     and the logits are those of attending over the dequantized keys and values."""
-    from test_mlx_backend import tiny_session
-
     session, _ = tiny_session(tiny_folder, "int4+g32", graph="mlx-lm")
     ids = session.tokenizer.encode("the cache keeps sinks and a window of recent tokens " * 6)[:100]
     calls = []
@@ -117,6 +116,3 @@ def test_an_mlx_lm_model_attends_from_the_codes_with_the_dense_logits(tiny_folde
 def dense_attend(held, queries, scale, mask):
     k, v = held.dense()
     return mx.fast.scaled_dot_product_attention(queries, k[None], v[None], scale=scale, mask=mask)
-
-
-from test_mlx_backend import tiny_folder  # noqa: E402,F401  (a fixture)
