@@ -75,8 +75,10 @@ class PolicyKVCache(LayerCache):
         return k[None].astype(dtype), v[None].astype(dtype)
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
-        """Attention of ``queries`` (B, Hq, L, D) over what the last ``update_and_fetch`` held."""
-        return lm_attention.attention(queries, self.held, scale, mask)
+        """Attention of ``queries`` (B, Hq, L, D) over what the last ``update_and_fetch`` held
+        (let go here: the step's graph keeps what it needs, the cache no more than its bytes)."""
+        held, self.held = self.held, None
+        return lm_attention.attention(queries, held, scale, mask)
 
     @property
     def state(self) -> list[mx.array]:
