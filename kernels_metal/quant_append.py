@@ -35,7 +35,7 @@ class QuantStore:
 
     @property
     def n_tokens(self) -> int:
-        return int(self.k_codes.shape[1])
+        return int(self.v_codes.shape[1])  # values are (Hkv, N, ...) in every layout
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.k_codes, self.k_scales, self.k_mins, self.v_codes, self.v_scales,

@@ -8,18 +8,26 @@ residual, groups quantized as they age with per-channel keys, a window, bytes eq
 position ``offset`` before the cache sees a key. So a window keeps stream positions (as mlx-lm's
 RotatingKVCache does) and cannot re-index them past the trained context, and heavy hitters are not
 offered: mlx-lm's attention (``mx.fast.scaled_dot_product_attention``) returns no attention weights
-to rank tokens by. ``zoo.refusals`` says so before a plan is made. ``update_and_fetch`` hands back
-the held keys and values dequantized; a chunk is exact when nothing ages or leaves inside it, which
-``LMCache.chunk_length`` keeps true (the session feeds at most that many tokens at a time).
+to rank tokens by. ``zoo.refusals`` says so before a plan is made. The models' attention
+(``scaled_dot_product_attention``, imported by each model module from ``mlx_lm.models.base``) is
+pointed at ``_routed_attention`` (``route_attention``), which over this cache attends straight from
+the quantized codes (lm_attention.py); ``update_and_fetch`` still hands back the held keys and values
+dequantized, for a model that attends on its own. A chunk is exact when nothing ages or leaves inside
+it, which ``LMCache.chunk_length`` keeps true (the session feeds at most that many tokens at a time).
 
 ``NativeCache`` runs an architecture on mlx-lm's own caches (``model.make_cache()``: sliding-window or
 recurrent layers), at full precision only."""
 from __future__ import annotations
 
-import mlx.core as mx
+import sys
 
+import mlx.core as mx
+import numpy as np
+
+from localctx.backends.mlx import lm_attention
+from localctx.backends.mlx.lm_attention import HeldKV
 from localctx.backends.mlx.policy_cache import CacheShape, LayerCache, ModelCache
-from localctx.kernels_metal.decode_attention import QuantizedKV, dense_keys_values
+from localctx.kernels_metal.quant_append import QuantStore
 from localctx.kvcache import chunk_view
 from localctx.kvcache.policy import KVPolicy
 
@@ -27,6 +35,17 @@ from localctx.kvcache.policy import KVPolicy
 class PolicyKVCache(LayerCache):
     def __init__(self, policy: KVPolicy, shape: CacheShape):
         super().__init__(policy, shape, mx.zeros((shape.head_dim // 2,), mx.float32))
+        self.held: HeldKV | None = None  # what the step's attention sees (set by update_and_fetch)
+
+    # the store keeps keys transposed, as mx.quantized_matmul reads them (lm_attention.py)
+    def empty_store(self) -> QuantStore:
+        return lm_attention.empty_store(self.shape.n_kv_heads, self.shape.head_dim, self.fmt)
+
+    def _store_append(self, k: mx.array, v: mx.array) -> QuantStore:
+        return lm_attention.quantize_append(self.store, k, v, self.fmt)
+
+    def _store_groups(self, groups: np.ndarray) -> QuantStore:
+        return lm_attention.keep_groups(self.store, mx.array(groups.astype(np.int32)), self.fmt)
 
     @property
     def offset(self) -> int:
@@ -44,25 +63,56 @@ class PolicyKVCache(LayerCache):
         return mx.arange(kept, kept + n)[:, None] >= mx.arange(kept + n)[None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """keys/values (1, Hkv, L, D), rotated; returns every held key and value (1, Hkv, N, D),
-        the chunk's own last and in order (what mlx-lm's causal mask expects)."""
+        """keys/values (1, Hkv, L, D), rotated. Keeps what the step's attention sees in ``held``
+        (``attend`` reads it, from the codes) and returns every held key and value (1, Hkv, N, D)
+        dequantized, the chunk's own last and in order, for a model that attends on its own: MLX is
+        lazy, so where ``attend`` runs instead they are never computed."""
         dtype = keys.dtype
         self._append(keys[0], values[0])
-        st = self.store
-        view = QuantizedKV(st.k_codes, st.k_scales, st.k_mins, st.v_codes, st.v_scales, st.v_mins,
-                           self.k_full, self.v_full, None)
-        k, v = dense_keys_values(view, self.fmt)
+        self.held = HeldKV(self.store, self.k_full, self.v_full, self.fmt)
         self._age_and_evict()
+        k, v = self.held.dense()
         return k[None].astype(dtype), v[None].astype(dtype)
+
+    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+        """Attention of ``queries`` (B, Hq, L, D) over what the last ``update_and_fetch`` held
+        (let go here: the step's graph keeps what it needs, the cache no more than its bytes)."""
+        held, self.held = self.held, None
+        return lm_attention.attention(queries, held, scale, mask)
 
     @property
     def state(self) -> list[mx.array]:
         return [self.k_full, self.v_full, *self.store.arrays()]
 
 
+def _routed_attention(queries, keys, values, cache, scale: float, mask, sinks=None):
+    """mlx-lm's ``scaled_dot_product_attention``, except over a localctx policy cache: there the
+    cache attends from its codes."""
+    if isinstance(cache, PolicyKVCache) and sinks is None:
+        return cache.attend(queries, scale, mask)
+    return _mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def route_attention() -> None:
+    """Point every loaded mlx-lm model module's ``scaled_dot_product_attention`` (imported from
+    ``mlx_lm.models.base``) at ``_routed_attention``; other caches still reach mlx-lm's own."""
+    global _mlx_lm_attention
+    from mlx_lm.models import base
+
+    if _mlx_lm_attention is None:
+        _mlx_lm_attention = base.scaled_dot_product_attention
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is _mlx_lm_attention:
+            module.scaled_dot_product_attention = _routed_attention
+
+
+_mlx_lm_attention = None
+
+
 class LMCache(ModelCache):
     """Every layer's PolicyKVCache; what the session and the UI read, as for the page caches."""
     kind = "mlx-lm"
+    store_layout = "keys-by-token"  # the prompt cache's files say so (keys transposed since this tag)
 
     def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, position_limit: int):
         """``position_limit``: the trained context; keys keep stream positions, so a window streams
@@ -70,6 +120,7 @@ class LMCache(ModelCache):
         self.policy = policy
         self.position_limit = position_limit
         self.layers = [PolicyKVCache(policy, shape) for _ in range(n_layers)]
+        route_attention()
 
     def chunk_length(self, n: int) -> int:
         """Tokens of the next ``n`` one forward pass takes exactly (nothing ages or leaves inside)."""

@@ -66,7 +66,7 @@ class LayerCache:
 
     def reset(self) -> None:
         s = self.shape
-        self.store = QuantStore.empty(s.n_kv_heads, s.head_dim, self.fmt)
+        self.store = self.empty_store()
         self.q_ids = np.zeros(0, dtype=np.int64)
         self.q_mass = np.zeros(0, dtype=np.float32)
         self.k_full = mx.zeros((s.n_kv_heads, 0, s.head_dim), s.full_dtype)
@@ -74,6 +74,21 @@ class LayerCache:
         self.f_ids = np.zeros(0, dtype=np.int64)
         self.f_mass = np.zeros(0, dtype=np.float32)
         self.n_seen = 0
+
+    # -- the quantized store's layout (lm_cache.PolicyKVCache keeps keys transposed) ---------
+    def empty_store(self) -> QuantStore:
+        return QuantStore.empty(self.shape.n_kv_heads, self.shape.head_dim, self.fmt)
+
+    def _store_append(self, k: mx.array, v: mx.array) -> QuantStore:
+        return quantize_append(self.store, k, v, self.fmt)
+
+    def _store_groups(self, groups: np.ndarray) -> QuantStore:
+        g = self.fmt.group_size
+        slots = (groups[:, None] * g + np.arange(g)[None, :]).reshape(-1)
+        s_idx, g_idx = mx.array(slots.astype(np.int32)), mx.array(groups.astype(np.int32))
+        st = self.store
+        return QuantStore(st.k_codes[:, s_idx], st.k_scales[:, g_idx], st.k_mins[:, g_idx],
+                          st.v_codes[:, s_idx], st.v_scales[:, s_idx], st.v_mins[:, s_idx])
 
     # -- what it holds ------------------------------------------------------------
     @property
@@ -247,7 +262,7 @@ class LayerCache:
             return
         take = main[:n]
         idx = mx.array(take.astype(np.int32))
-        self.store = quantize_append(self.store, self.k_full[:, idx], self.v_full[:, idx], self.fmt)
+        self.store = self._store_append(self.k_full[:, idx], self.v_full[:, idx])
         self.q_ids = np.concatenate([self.q_ids, self.f_ids[take]])
         self.q_mass = np.concatenate([self.q_mass, self.f_mass[take]])
         self._keep_full(np.setdiff1d(np.arange(len(self.f_ids)), take))
@@ -274,10 +289,7 @@ class LayerCache:
     def _keep_groups(self, groups: np.ndarray) -> None:
         g = self.fmt.group_size
         slots = (groups[:, None] * g + np.arange(g)[None, :]).reshape(-1)
-        s_idx, g_idx = mx.array(slots.astype(np.int32)), mx.array(groups.astype(np.int32))
-        st = self.store
-        self.store = QuantStore(st.k_codes[:, s_idx], st.k_scales[:, g_idx], st.k_mins[:, g_idx],
-                                st.v_codes[:, s_idx], st.v_scales[:, s_idx], st.v_mins[:, s_idx])
+        self.store = self._store_groups(groups)
         self.q_ids, self.q_mass = self.q_ids[slots], self.q_mass[slots]
 
 
@@ -292,6 +304,7 @@ def _heaviest(scores: np.ndarray, budget: int) -> np.ndarray:
 class ModelCache:
     """The caches of every layer, and what the UI reads: bytes, tokens held, tokens evicted."""
     kind = "page"  # keys before RoPE (backends/mlx/lm_cache.py holds them rotated)
+    store_layout = ""  # lm_cache.LMCache keeps the quantized keys transposed (named in prompt cache files)
     position_limit = None  # keys are re-indexed at their in-cache positions: a window streams on
 
     def __init__(self, policy: KVPolicy, n_layers: int, shape: CacheShape, inv_freq: mx.array | list[mx.array],

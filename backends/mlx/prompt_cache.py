@@ -24,7 +24,8 @@ def layout(cache: ModelCache) -> str:
     first = cache.layers[0]
     s = first.shape
     windows = ",".join(str(layer.model_window or 0) for layer in cache.layers)
-    return (f"mlx {cache.kind}|{str(s.full_dtype).removeprefix('mlx.core.')}|{len(cache.layers)}x{s.n_kv_heads}x{s.head_dim}"
+    kind = f"{cache.kind} {cache.store_layout}" if cache.store_layout else cache.kind
+    return (f"mlx {kind}|{str(s.full_dtype).removeprefix('mlx.core.')}|{len(cache.layers)}x{s.n_kv_heads}x{s.head_dim}"
             f"|rope{'-traditional' if s.traditional_rope else ''}|windows {windows}")
 
 
@@ -79,9 +80,8 @@ def load(cache: ModelCache, hit: Hit) -> None:
         if f"{i}.k_codes" in t:
             st = QuantStore(*(mx.array(t[f"{i}.{name}"]) for name in _STORE))
         else:
-            s = layer.shape
-            st = QuantStore.empty(s.n_kv_heads, s.head_dim, layer.fmt)
-        n_q, n_f = st.k_codes.shape[1], k_full.shape[1]
+            st = layer.empty_store()
+        n_q, n_f = st.n_tokens, k_full.shape[1]
         if f"{i}.q_start" in t:
             start = int(t[f"{i}.q_start"][0])
             q_ids = np.arange(start, start + n_q)

@@ -110,6 +110,52 @@ class MLXSession(Session):
         self.reset()
         return tokens, 0
 
+    # -- greedy decoding, pipelined as mlx-lm's generate_step ------------------------------------
+    def _greedy(self, logits: np.ndarray, n: int) -> Iterator[int]:
+        """Up to ``n`` greedy tokens after ``logits``. The step that feeds a token is queued
+        (``mx.async_eval``) before the token is read back, so building one step's graph overlaps
+        computing the last; the token stays on the device in between. A step queued for a token
+        the stream then did not take (end of text, a stop string) is undone, so the cache ends
+        where ``fed`` does, as after ``feed``; a step that fails restarts the conversation."""
+        y = mx.array([int(np.argmax(logits))], dtype=mx.int32)
+        queued = None
+        try:
+            for left in range(n - 1, -1, -1):
+                queued = self._queue(y) if left else None  # no step for the last token asked for
+                tok = int(y.item())
+                if queued is not None:
+                    self.fed.append(tok)
+                yield tok
+                if queued is None:
+                    self.last_logits = np.array(logits)
+                    return
+                y, logits, queued = queued.next, queued.logits, None
+        except GeneratorExit:
+            if queued is not None:
+                self._unqueue(queued)
+            self.last_logits = np.array(logits)
+            raise
+        except BaseException:
+            self.reset()
+            raise
+
+    def _queue(self, y: mx.array) -> "_Queued":
+        if self.model is None:
+            raise UserError("this MLX session is closed; load the model again")
+        before = self.cache.snapshot()
+        logits = self.model(y, self.cache, last_only=True)
+        nxt = mx.argmax(logits).astype(mx.int32).reshape(1)
+        mx.async_eval(nxt, logits, *self.cache.arrays())
+        return _Queued(before, logits, nxt)
+
+    def _unqueue(self, queued: "_Queued") -> None:
+        self.fed.pop()
+        if self.cache.kind == NativeCache.kind:  # mlx-lm's own caches trim where they can
+            if not self.cache.truncate(len(self.fed)):
+                self.reset()
+        else:
+            self.cache.restore(queued.before)
+
     # -- the prompt cache on disk (backends/mlx/prompt_cache.py) --------------------------------
     def enable_prompt_cache(self, model_path: Path) -> str | None:
         if not Path(model_path).is_file():
@@ -180,6 +226,9 @@ class MLXSession(Session):
 
         def ids() -> Iterator[int]:
             logits = self._prefill(tokens, todo, clock)
+            if params.temperature <= 0 and params.constraint is None:  # greedy: pipelined
+                yield from self._greedy(logits, params.max_tokens)
+                return
             while True:
                 tok = sampler(logits)
                 yield tok
@@ -193,3 +242,11 @@ class MLXSession(Session):
         source = drafted_ids() if clock.speculate == "ngram" else ids()
         yield from stream(source, token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos, params=params,
                           clock=clock, probe=KVProbe(self.cache.probe), cancel=cancel)
+
+
+@dataclass
+class _Queued:
+    """A greedy step in flight: the cache before it, its logits and the token they choose."""
+    before: object
+    logits: mx.array
+    next: mx.array
