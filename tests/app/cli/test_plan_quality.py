@@ -28,10 +28,14 @@ def tiny(tmp_path_factory):
     return write(tmp_path_factory.mktemp("planq") / "llama.gguf", cfg, seed=3)
 
 
-def calibrate(model, figures=FIGURES):
+WINDOW = {"fp16+sink4+win1536": {"mean_kld": 0.7, "p99_kld": 4.0, "top1": 0.6, "ppl_delta_pct": 40.0, "tokens": 768,
+                                  "score_from": 1541}}
+
+
+def calibrate(model, figures=FIGURES, windows=None):
     cal = quality_calibration.QualityCalibration("llamacpp", quality_calibration.identity(model), {
         fmt: {"mean_kld": kld, "p99_kld": kld * 8, "top1": 1 - kld, "ppl_delta_pct": kld * 100, "tokens": 2048}
-        for fmt, kld in figures.items()})
+        for fmt, kld in figures.items()}, windows=windows or {})
     return quality_calibration.save(cal, model)
 
 
@@ -75,6 +79,27 @@ def test_plan_text_shows_the_chosen_figure_and_each_rejected_one(cli, tiny):
     assert r.code == 0, r.err
     assert "int4: KLD 0.9000 nats/token (p99 7.200), top-1 10.0%, measured:" in r.out
     assert "quality: KLD 0.0020 nats/token" in r.out  # int8, refused for memory
+
+
+def test_a_windowed_plan_quotes_the_measured_window_with_its_length_text_and_json(cli, tiny):
+    """Past the trained context only a window holds the stream: plan names the window measured for this
+    model (its length, the positions past it), as measured, and does not judge it against --max-kld."""
+    calibrate(tiny, windows=WINDOW)
+    plan = plan_json(cli, tiny, "--context", "65536")["plan"]
+    assert plan["policy"].startswith("fp16+sink4+win")  # 0.7 nats over the 0.05 budget: quoted, still taken
+    q = plan["window_quality"]
+    assert (q["basis"], q["window"], q["tokens"], q["mean_kld"]) == ("measured", 1536, 768, 0.7)
+    line = next(r for r in plan["reasons"] if r.startswith("window: "))
+    assert "measured with window 1,536, scored at the 768 positions past it" in line
+    assert "not judged against --max-kld" in line
+    r = cli("plan", "-m", str(tiny), "--backend", "llamacpp", "--hardware", "cpu-24gb", "--context", "65536")
+    assert r.code == 0, r.err
+    assert "window    KLD 0.7000 nats/token (p99 4.000), top-1 60.0%, measured with window 1,536, scored at the " \
+           "768 positions past it" in r.out
+    calibrate(tiny)  # a calibration without a window: the plan says the window is not measured
+    bare = plan_json(cli, tiny, "--context", "65536")["plan"]
+    assert bare["window_quality"] is None
+    assert any(r.startswith("window: KL divergence of a fp16+sink4 window not measured") for r in bare["reasons"])
 
 
 def test_a_damaged_calibration_is_ignored_with_a_note(cli, tiny):
