@@ -329,8 +329,9 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
            + (f" plus {best.heavy:,} heavy hitters" if best.heavy else "")
            + f" of a {context:,}-token stream; the window is bound by {bound}"
            + (f"; {s.quality_note(best)}" if best.quantized else ""))
-    return _finish(s, best, head + [why, window_words(s.backend.kld, best)] + ([f"{over}: a window keeps the context within budget instead, "
-                                             "or lower --context for full precision without one"] if over else []))
+    instead = [f"{over}: a window keeps the context within budget instead, or lower --context for full precision "
+               "without one"] if over else []
+    return _finish(s, best, head + [why, window_words(s.backend.kld, best)] + instead)
 
 
 def _window_options(s: _Search) -> list[tuple[KVPolicy, str]]:
