@@ -79,13 +79,18 @@ def scored(f: dict) -> str:
     return f"{f['tokens']:,}"
 
 
+def nats(x: float, places: int) -> str:
+    """A KL divergence as the table shows it; under 0.001 nats in powers of ten, not as 0.0000."""
+    return f"{x:.{places}f}" if x >= 1e-3 or x == 0 else f"{x:.1e}"
+
+
 def markdown(paths: list[Path]) -> str:
     lines = ["| model | backend | head dim, size | format | positions scored | KLD mean (nats) | KLD p99 | top-1 "
              "| ppl vs fp16 |", "|---|---|---|---|---|---:|---:|---:|---:|"]
     for _, data, fmt, f in rows(paths, windows=True):
         lines.append(f"| {data['model_name']} | {data['backend']} | {data['head_dim']}, "
-                     f"{data['size_class']} | {fmt} | {scored(f)} | {f['mean_kld']:.4f} | "
-                     f"{f['p99_kld']:.3f} | {f['top1']:.1%} | {f['ppl_delta_pct']:+.2f}% |")
+                     f"{data['size_class']} | {fmt} | {scored(f)} | {nats(f['mean_kld'], 4)} | "
+                     f"{nats(f['p99_kld'], 3)} | {f['top1']:.1%} | {f['ppl_delta_pct']:+.2f}% |")
     return "\n".join(lines)
 
 
