@@ -18,7 +18,7 @@ from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quality import format_key
 
-# nats per token, mean over the scored positions: keeps 8-bit formats and k8v4 (≤ 0.01 measured) and rejects
+# nats per token, mean over the scored positions: keeps 8-bit formats and k8v4 (≤ 0.013 measured) and rejects
 # llama.cpp's q4_0 on Qwen2.5 0.5B (0.61) and on SmolLM2-135M (0.065; docs/quality.md "KL divergence")
 DEFAULT_MAX_KLD = 0.05
 PRIORS_ASSET = "kv_quality_kld.json"
