@@ -36,8 +36,9 @@ def register(sub) -> None:
                         "default, about a minute; --backend torch: with its current settings, about two minutes)")
     p.add_argument("--calibrate-quality", action="store_true",
                    help="measure what each lossy KV format costs this model first (KL divergence and top-1 "
-                        "against full precision on built-in text; a few minutes for a 0.5B model), cached per "
-                        "model file and backend; the plan then judges formats by it (--max-kld)")
+                        "against full precision on built-in text; a few minutes for a 0.5B model) and the window "
+                        "the planner would take here (scored past it), cached per model file and backend; the plan "
+                        "then judges formats by it (--max-kld) and quotes the window's figure")
     p.add_argument("--list-hardware", action="store_true", help="list the named hardware profiles")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                    help="also project the time to first token of an N-token prompt, cold and with a cached prefix")
