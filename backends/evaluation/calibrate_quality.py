@@ -140,7 +140,7 @@ def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, window: KVPolicy | N
     show = on_chunk or (lambda done, total: None)
     reports = run(policies, task, lambda done, total: show(done, passes * total))
     figures = {format_key(KVPolicy.parse(r.policy)): _numbers(r.divergence) for r in reports[1:]}
-    windows, words = {}, measured_words(task, spec)
+    windows, words = {}, f"{measured_words(task, spec)}, per format"
     if window:
         wtask = window_task(task, window)
         _, measured = run([window], wtask, lambda done, total: show(total + done, 2 * total))
@@ -151,7 +151,7 @@ def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, window: KVPolicy | N
         backend, ident, figures,
         command=f"localctx plan --calibrate-quality -m {ref.path} --backend {backend}",
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        note=f"{words}, per format, in {wall:.0f} s; {load_note()}",
+        note=f"{words}; in {wall:.0f} s; {load_note()}",
         extra={"model_name": spec.name, "head_dim": spec.head_dim, "n_params": spec.n_params,
                "reference_ppl": reports[0].perplexity.ppl, "wall_s": round(wall, 1)},
         windows=windows)
