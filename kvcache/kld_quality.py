@@ -10,7 +10,7 @@ came from (docs/quality.md "KL divergence"). The planner never chooses a format 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
 from localctx.kvcache.errors import UserError
@@ -18,7 +18,7 @@ from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quality import format_key
 
-# nats per token, mean over the scored positions: keeps 8-bit formats and k8v4 (≤ 0.01 measured) and rejects
+# nats per token, mean over the scored positions: keeps 8-bit formats and k8v4 (≤ 0.013 measured) and rejects
 # llama.cpp's q4_0 on Qwen2.5 0.5B (0.61) and on SmolLM2-135M (0.065; docs/quality.md "KL divergence")
 DEFAULT_MAX_KLD = 0.05
 PRIORS_ASSET = "kv_quality_kld.json"
@@ -44,10 +44,13 @@ class KldFigure:
     basis: str  # "measured" (this model's calibration) or "prior" (the committed table)
     source: str  # the calibration file, or the prior's model and command
     tokens: int = 0
+    window: int = 0  # a window's figure: the window it was measured with, scored only past it (0: a format's)
 
     def describe(self) -> str:
+        how = (f"{self.basis} with window {self.window:,}, scored at the {self.tokens:,} positions past it"
+               if self.window else self.basis)
         return (f"KLD {self.mean_kld:.4f} nats/token (p99 {self.p99_kld:.3f}), top-1 {self.top1:.1%}, "
-                f"{self.basis}: {self.source}")
+                f"{how}: {self.source}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,12 +61,24 @@ class KldTable:
     """One model's figures on one backend: measured ones first, then priors (format → KldFigure)."""
     measured: dict = field(default_factory=dict)
     priors: dict = field(default_factory=dict)
+    windows: dict = field(default_factory=dict)  # window_key → this model's measured window (KldFigure)
 
     def figure(self, policy: KVPolicy) -> KldFigure | None:
+        """The figure of ``policy``'s format (its precision; a window's format too), judged by --max-kld."""
         if not policy.quantized:
             return None
         key = format_key(policy)
         return self.measured.get(key) or self.priors.get(key)
+
+    def window_figure(self, policy: KVPolicy) -> KldFigure | None:
+        """The measured figure of a window of ``policy``'s shape (precision and sinks; the window length
+        the calibration could measure is in the figure), quoted beside a windowed plan, not judged."""
+        return self.windows.get(window_key(policy)) if policy.evicts and not policy.heavy else None
+
+
+def window_key(policy: KVPolicy) -> str:
+    """What a measured window is stored under: its policy without the window length, e.g. 'fp16+sink4'."""
+    return str(replace(policy, window=None, heavy=0))
 
 
 NO_FIGURES = KldTable()

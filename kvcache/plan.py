@@ -35,6 +35,7 @@ class Plan:
     allocated: int | None = None
     allocated_kv_bytes: int | None = None  # KV bytes of ``allocated`` tokens, as the backend holds them
     quality: dict | None = None  # the chosen format's KL divergence figure, measured or prior (kvcache/kld_quality.py)
+    window_quality: dict | None = None  # a windowed policy's measured window figure (quoted, not judged)
 
     def __post_init__(self) -> None:
         if not self.kv_layout:  # a plan made without its backend's words: the policy cache's
@@ -97,4 +98,5 @@ class Plan:
             "allocated_kv_bytes": self.allocated_bytes, "decode_tok_s": self.decode_tok_s,
             "prefill_tok_s": self.prefill_tok_s, "hardware": self.hardware, "reasons": list(self.reasons),
             "rejected": [r.__dict__ for r in self.rejected], "quality": self.quality,
+            "window_quality": self.window_quality,
         }

@@ -22,7 +22,7 @@ from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.hardware_profile import HardwareProfile, MiB
 from localctx.kvcache.plan import Plan, Rejected
 from localctx.kvcache.policy import KVPolicy, uniform
-from localctx.kvcache.kld_quality import DEFAULT_MAX_KLD, NO_FIGURES, KldTable
+from localctx.kvcache.kld_quality import DEFAULT_MAX_KLD, NO_FIGURES, KldTable, window_key
 from localctx.kvcache.quality import NO_VERDICTS, BackendQuality, QualityTable
 from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
@@ -312,13 +312,12 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
         raise NoPlanFits(f"no exact plan for {context:,} tokens of {spec.name} on {hw.name}; drop --exact, "
                          "lower --context or --min-tok-s", s.rejected)
     over = _over_budget(s)
-    options = [(p, bound) for t in lossy_templates(req.heavy) if (found := s.lossy(t)) for p, bound in [found]]
+    options = _window_options(s)
     if not options:
         raise NoPlanFits(f"no plan for {context:,} tokens of {spec.name} on {hw.name}"
                          + (f" ({over}, and no window fits)" if over else "")
                          + "; lower --context or --min-tok-s, raise --max-kld, or use a smaller model", s.rejected)
-    widest = max(p.window for p, _ in options)  # the largest window; within 5% of it, the higher fidelity
-    best, bound = next((p, bd) for p, bd in options if p.window >= widest * 0.95)
+    best, bound = _widest(options)
     for other, other_bound in options:
         if other is best:
             continue
@@ -330,8 +329,50 @@ def plan(hw: HardwareProfile, spec: ModelSpec, req: PlanRequest, backend: Backen
            + (f" plus {best.heavy:,} heavy hitters" if best.heavy else "")
            + f" of a {context:,}-token stream; the window is bound by {bound}"
            + (f"; {s.quality_note(best)}" if best.quantized else ""))
-    return _finish(s, best, head + [why] + ([f"{over}: a window keeps the context within budget instead, "
-                                             "or lower --context for full precision without one"] if over else []))
+    instead = [f"{over}: a window keeps the context within budget instead, or lower --context for full precision "
+               "without one"] if over else []
+    return _finish(s, best, head + [why, window_words(s.backend.kld, best)] + instead)
+
+
+def _window_options(s: _Search) -> list[tuple[KVPolicy, str]]:
+    """Each windowed shape the backend runs within the quality goals, sized to its largest window."""
+    return [(p, bound) for t in lossy_templates(s.req.heavy) if (found := s.lossy(t)) for p, bound in [found]]
+
+
+def _widest(options: list[tuple[KVPolicy, str]]) -> tuple[KVPolicy, str]:
+    """The largest window; within 5% of it, the higher fidelity (the earlier template)."""
+    widest = max(p.window for p, _ in options)
+    return next((p, bd) for p, bd in options if p.window >= widest * 0.95)
+
+
+def planned_window(hw: HardwareProfile, spec: ModelSpec, backend: BackendView, speed: SpeedModel | None,
+                   text_tokens: int) -> KVPolicy | None:
+    """The windowed policy this planner takes for ``spec`` on ``hw`` where a window is needed (the whole
+    trained context asked for, as plan() sizes it), with its window cut to what a calibration text of
+    ``text_tokens`` tokens can measure: half the text, so that the other half is predicted by a cache
+    that has evicted (``localctx plan --calibrate-quality``; docs/quality.md "Windows"). None where no
+    window fits or the text is too short for a useful one."""
+    req = PlanRequest()
+    s = _Search(hw, spec, req, backend, speed or SpeedModel(hw), spec.context_length, budget(hw, spec, req, backend))
+    options = _window_options(s) if s.budget.kv > 0 else []
+    if not options or text_tokens // 2 < MIN_WINDOW:
+        return None
+    best, _ = _widest(options)
+    return replace(best, window=min(best.window, text_tokens // 2))
+
+
+def window_words(kld: KldTable, policy: KVPolicy) -> str:
+    """A windowed plan's measured window figure, quoted and not judged: a window trades old tokens, not
+    precision, and is planned only where no format within --max-kld holds the context."""
+    fig = kld.window_figure(policy)
+    not_judged = ("not judged against --max-kld (a window drops old tokens rather than precision; it is taken "
+                  "only where nothing within the budget holds the context)")
+    if fig is None:
+        return (f"window: KL divergence of a {window_key(policy)} window not measured for this model "
+                f"(localctx plan --calibrate-quality measures the window planned here); {not_judged}")
+    longer = (f"; this plan keeps {policy.window:,} tokens, so it evicts later than the measured window"
+              if policy.window > fig.window else "")
+    return f"window: {fig.describe()}{longer}; {not_judged}"
 
 
 def _over_budget(s: _Search) -> str:
@@ -361,11 +402,11 @@ def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
     reasons.append(f"KV {format_bytes(kv)} peak of the {format_bytes(max(s.budget.kv, 0))} budget"
                    + layout_note(spec, policy))
     reasons.extend(f"assumed: {a}" for a in spec.assumptions)
-    fig = s.backend.kld.figure(policy)
+    fig, window = s.backend.kld.figure(policy), s.backend.kld.window_figure(policy)
     return Plan(backend=s.backend.name, policy=policy, context=ctx, kv_bytes=kv, weight_bytes=spec.weight_bytes,
                 decode_tok_s=tok_s, prefill_tok_s=s.speed.prefill_tok_s(spec, min(ctx, 4096)),
                 hardware=s.hw.name, reasons=reasons, rejected=s.rejected, kv_layout=s.backend.describe(policy),
-                quality=fig.to_dict() if fig else None)
+                quality=fig.to_dict() if fig else None, window_quality=window.to_dict() if window else None)
 
 
 def layout_note(spec: ModelSpec, policy: KVPolicy) -> str:

@@ -36,8 +36,9 @@ def register(sub) -> None:
                         "default, about a minute; --backend torch: with its current settings, about two minutes)")
     p.add_argument("--calibrate-quality", action="store_true",
                    help="measure what each lossy KV format costs this model first (KL divergence and top-1 "
-                        "against full precision on built-in text; a few minutes for a 0.5B model), cached per "
-                        "model file and backend; the plan then judges formats by it (--max-kld)")
+                        "against full precision on built-in text; a few minutes for a 0.5B model) and the window "
+                        "the planner would take here (scored past it), cached per model file and backend; the plan "
+                        "then judges formats by it (--max-kld) and quotes the window's figure")
     p.add_argument("--list-hardware", action="store_true", help="list the named hardware profiles")
     p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                    help="also project the time to first token of an N-token prompt, cold and with a cached prefix")
@@ -137,7 +138,7 @@ def _calibrate_quality(req: SessionRequest) -> None:
     import time
 
     from localctx.backends.evaluation.calibrate_quality import (calibrate, formats_for, measured_words, progress_bar,
-                                                                 task_for)
+                                                                 task_for, window_for, window_words)
     from localctx.kvcache import quality_calibration
 
     if req.hardware:
@@ -147,15 +148,19 @@ def _calibrate_quality(req: SessionRequest) -> None:
                         "each backend's cache loses differently, so each is calibrated apart")
     ref, spec = resolve_model(req)
     formats = ", ".join(map(str, formats_for(req.backend, spec)))
+    task, window = task_for(req.backend), window_for(req.backend, spec, ref)
     print(f"calibrating KV quality of {spec.name} on {req.backend}: {formats} against full precision, "
-          f"{measured_words(task_for(req.backend), spec)}, in lockstep", file=sys.stderr)
+          f"{measured_words(task, spec)}, in lockstep"
+          + (f"; then the window planned here, {window_words(task, window)}" if window else
+             "; no window (none fits here, or the text is too short for one)"), file=sys.stderr)
     started = time.perf_counter()
-    cal = calibrate(req.backend, ref, spec, on_chunk=progress_bar())
+    cal = calibrate(req.backend, ref, spec, on_chunk=progress_bar(), window=window)
     path = quality_calibration.save(cal, ref.path)
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     print(f"quality calibration saved to {path} ({time.perf_counter() - started:.0f} s wall, "
           f"{cpu.ru_utime + cpu.ru_stime:.0f} s CPU): "
-          + ", ".join(f"{fmt} KLD {f['mean_kld']:.4f}" for fmt, f in cal.figures.items()), file=sys.stderr)
+          + ", ".join(f"{fmt} KLD {f['mean_kld']:.4f}" for fmt, f in {**cal.figures, **cal.windows}.items()),
+          file=sys.stderr)
 
 
 def _print_plan(spec, source, ctx, plan, rows) -> None:
@@ -170,6 +175,8 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
     print(f"policy    {plan.policy}  ({plan.kv_layout})")
     if plan.quality:
         print(f"quality   {figure_line(plan.quality)}")
+    if plan.window_quality:
+        print(f"window    {figure_line(plan.window_quality)} (quoted, not judged against --max-kld)")
     print(f"context   {plan.context:,} tokens; KV {format_bytes(plan.kv_bytes)} + weights "
           f"{format_bytes(plan.weight_bytes)}; decode ≈ {plan.decode_tok_s:.1f} tok/s"
           + (f", prefill ≈ {plan.prefill_tok_s:.0f} tok/s" if plan.prefill_tok_s else ""))
@@ -189,8 +196,10 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
 
 
 def figure_line(q: dict) -> str:
+    how = (f"{q['basis']} with window {q['window']:,}, scored at the {q['tokens']:,} positions past it"
+           if q.get("window") else q["basis"])
     return (f"KLD {q['mean_kld']:.4f} nats/token (p99 {q['p99_kld']:.3f}), top-1 {q['top1']:.1%}, "
-            f"{q['basis']}: {q['source']}")
+            f"{how}: {q['source']}")
 
 
 def _print_rejected(rejected) -> None:

@@ -1,14 +1,17 @@
 """``localctx plan --calibrate-quality``: what every lossy KV format a backend offers costs the model at
 hand (docs/quality.md "KL divergence"). Built-in text (pydoc_data.topics, no download) streams
 through the full-precision cache and every format's cache in lockstep (backends/evaluation/
-divergence.py); the result is cached per model file identity and backend
-(kvcache/quality_calibration.py), and the planner's quality budget reads it from then on.
+divergence.py); then the sliding window the planner would take for this model here, cut to half
+the text and scored only past it, beside a second full-precision cache. The result is cached per
+model file identity and backend (kvcache/quality_calibration.py); the planner's quality budget
+reads the formats' figures from then on and quotes the window's beside a windowed plan.
 
 This shared module picks the engine's evaluator by name, as backends/registry.py picks a backend."""
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Callable
 
 from localctx.backends.evaluation.tasks import PerplexityTask
@@ -16,6 +19,7 @@ from localctx.backends.models.ref import ModelRef
 from localctx.kvcache.calibration import load_note
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.model_spec import ModelSpec
+from localctx.kvcache.planner import planned_window
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quality import format_key
 from localctx.kvcache.quality_calibration import QualityCalibration, identity
@@ -72,25 +76,57 @@ def measured_words(task: PerplexityTask, spec: ModelSpec) -> str:
             f"from 1 to {n:,} of the {spec.context_length:,} trained")
 
 
-def run_evaluation(backend: str, ref: ModelRef, policies: list[KVPolicy], task: PerplexityTask, on_chunk,
-                   threads: int | None = None):
-    """The engine's evaluator over the full-precision cache and ``policies``, in lockstep."""
+def window_for(backend: str, spec: ModelSpec, ref: ModelRef, tokens: int | None = None) -> KVPolicy | None:
+    """The windowed policy the planner takes for this model on this machine (kvcache/planner.py
+    ``planned_window``), its window cut to half the calibration text so the other half is scored past it."""
+    from localctx.backends.machine.planner_inputs import planning_context
+
+    ctx = planning_context(backend, spec, model_file=ref.path)
+    return planned_window(ctx.hardware, spec, ctx.backend, ctx.speed, task_for(backend, tokens).n_tokens - 1)
+
+
+def window_task(task: PerplexityTask, window: KVPolicy) -> PerplexityTask:
+    """The same text and stride, scored only at predictions made after the cache has evicted: from the
+    first position past its sinks + window."""
+    return replace(task, score_from=window.capacity() + 1)
+
+
+def window_words(task: PerplexityTask, window: KVPolicy) -> str:
+    wt = window_task(task, window)
+    n = task.n_tokens - 1
+    scored = len(range(wt.score_from, n + 1, task.stride))
+    return (f"{window}, scored only past its {window.capacity():,} cached tokens: {scored:,} positions from "
+            f"{wt.score_from:,} to {n:,}")
+
+
+def evaluator_for(backend: str, ref: ModelRef, threads: int | None = None):
+    """``run(policies, task, on_chunk)``: the engine's evaluator over the full-precision cache and
+    ``policies`` in lockstep, the model loaded once."""
     if backend == "llamacpp":
         from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator, evaluate
 
-        return evaluate(LlamaCppEvaluator(ref, threads=threads), policies, task, None, on_chunk=on_chunk)
+        engine = LlamaCppEvaluator(ref, threads=threads)
+        return lambda policies, task, on_chunk: evaluate(engine, policies, task, None, on_chunk=on_chunk)
     if backend == "torch":
         from localctx.backends.torch.evaluate import PolicyEvaluator, evaluate
         from localctx.backends.torch.loading import TorchOptions, load_model
 
         loaded = load_model(ref, TorchOptions.from_env())
-        return evaluate(PolicyEvaluator(loaded.model, loaded.tokenizer), policies, task, None, on_chunk=on_chunk)
+        engine = PolicyEvaluator(loaded.model, loaded.tokenizer)
+        return lambda policies, task, on_chunk: evaluate(engine, policies, task, None, on_chunk=on_chunk)
     raise UserError(f"--calibrate-quality measures the llamacpp or torch backend, not {backend}; "
                     "add --backend llamacpp or --backend torch")
 
 
-def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int | None = None, on_chunk=None,
-              threads: int | None = None) -> QualityCalibration:
+def _numbers(d) -> dict:
+    return {"mean_kld": d.mean_kld, "p99_kld": d.p99_kld, "top1": d.top1, "ppl_delta_pct": d.ppl_delta_pct,
+            "tokens": d.scored}
+
+
+def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, window: KVPolicy | None, tokens: int | None = None,
+              on_chunk=None, threads: int | None = None) -> QualityCalibration:
+    """Every lossy format ``backend`` offers, in one lockstep pass; then ``window`` (``window_for``) beside
+    a second full-precision cache, scored only past its window (``window_task``)."""
     if ref.kind not in ("gguf", "hf"):
         raise UserError(f"--calibrate-quality measures a local model file; {ref.name} is not one")
     policies = formats_for(backend, spec)
@@ -99,18 +135,23 @@ def calibrate(backend: str, ref: ModelRef, spec: ModelSpec, tokens: int | None =
     started = time.perf_counter()
     ident = identity(ref.path)  # before the run: a file replaced meanwhile does not get this result
     task = task_for(backend, tokens)
-    reports = run_evaluation(backend, ref, policies, task, on_chunk, threads)
+    run = evaluator_for(backend, ref, threads)
+    passes = 2 if window else 1
+    show = on_chunk or (lambda done, total: None)
+    reports = run(policies, task, lambda done, total: show(done, passes * total))
+    figures = {format_key(KVPolicy.parse(r.policy)): _numbers(r.divergence) for r in reports[1:]}
+    windows, words = {}, f"{measured_words(task, spec)}, per format"
+    if window:
+        wtask = window_task(task, window)
+        _, measured = run([window], wtask, lambda done, total: show(total + done, 2 * total))
+        windows[str(window)] = _numbers(measured.divergence) | {"score_from": wtask.score_from}
+        words += f"; the window {window_words(task, window)}"
     wall = time.perf_counter() - started
-    figures = {}
-    for report in reports[1:]:
-        d = report.divergence
-        figures[format_key(KVPolicy.parse(report.policy))] = {
-            "mean_kld": d.mean_kld, "p99_kld": d.p99_kld, "top1": d.top1, "ppl_delta_pct": d.ppl_delta_pct,
-            "tokens": d.scored}
     return QualityCalibration(
         backend, ident, figures,
         command=f"localctx plan --calibrate-quality -m {ref.path} --backend {backend}",
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        note=f"{measured_words(task, spec)}, per format, in {wall:.0f} s; {load_note()}",
+        note=f"{words}; in {wall:.0f} s; {load_note()}",
         extra={"model_name": spec.name, "head_dim": spec.head_dim, "n_params": spec.n_params,
-               "reference_ppl": reports[0].perplexity.ppl, "wall_s": round(wall, 1)})
+               "reference_ppl": reports[0].perplexity.ppl, "wall_s": round(wall, 1)},
+        windows=windows)

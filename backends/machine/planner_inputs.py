@@ -13,7 +13,7 @@ from localctx.kvcache import calibration, cost, kld_quality, quality, quality_ca
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import HardwareProfile
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.planner import BackendView, PlanRequest, budget, layout_note, plan
+from localctx.kvcache.planner import BackendView, PlanRequest, budget, layout_note, plan, window_words
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel
@@ -39,14 +39,14 @@ def kld_table(name: str, spec: ModelSpec, model_file: Path | None) -> tuple[kld_
     """This model's KL divergence figures on backend ``name``: its calibration (``localctx plan
     --calibrate-quality``) where one is cached for this file, else the committed priors; and a note
     when a cached calibration was ignored."""
-    measured, notes = {}, ()
+    measured, windows, notes = {}, {}, ()
     if model_file is not None:
         cal, where = quality_calibration.load(model_file, name)
         if cal is not None:
-            measured = cal.kld_figures(where)
+            measured, windows = cal.kld_figures(where), cal.window_figures(where)
         elif where:
             notes = (where,)
-    return kld_quality.KldTable(measured, kld_quality.priors_for(name, spec)), notes
+    return kld_quality.KldTable(measured, kld_quality.priors_for(name, spec), windows), notes
 
 
 def backend_view(name: str, spec: ModelSpec, model_file: Path | None = None) -> tuple[BackendView, tuple[str, ...]]:
@@ -131,7 +131,11 @@ def plan_fixed(ctx: PlanningContext, spec: ModelSpec, policy: KVPolicy, req: Pla
                                          if over else f", within the --max-kld {req.max_kld:g} budget")]
     else:
         judged = [ctx.backend.quality.refusal(policy) or ctx.backend.quality.note(policy)] if policy.quantized else []
-    return Plan(quality=fig.to_dict() if fig else None, backend=ctx.backend.name, policy=policy, context=context, kv_bytes=need, kv_layout=layout,
+    window = ctx.backend.kld.window_figure(policy)
+    if policy.evicts:
+        judged.append(window_words(ctx.backend.kld, policy))
+    return Plan(quality=fig.to_dict() if fig else None, window_quality=window.to_dict() if window else None,
+                backend=ctx.backend.name, policy=policy, context=context, kv_bytes=need, kv_layout=layout,
                 weight_bytes=spec.weight_bytes, decode_tok_s=tok_s,
                 prefill_tok_s=ctx.speed.prefill_tok_s(spec, min(context, 4096)), hardware=ctx.hardware.name,
                 reasons=[f"KV policy {policy} from --kv ({layout})", b.describe(),

@@ -139,3 +139,73 @@ def test_a_changed_model_file_has_no_calibration(tmp_path):
     quality_calibration.save(calibration(model), model)
     model.write_bytes(b"GGUF" + bytes(3001))  # size (and mtime) change: another identity, another file
     assert quality_calibration.load(model, "llamacpp") == (None, "")
+
+
+# -- windows: measured by the calibration with the longest window its text allows, quoted, not judged ----------
+
+def test_planned_window_is_the_planners_window_shape_cut_to_half_the_text():
+    from localctx.kvcache.planner import planned_window
+
+    probe = replace(SPEC, context_length=40960)  # on this machine only int4 holds the whole trained context
+    forced = plan(HW, probe, PlanRequest(context=81920), view({}))  # past the trained context: a window
+    assert forced.policy.evicts
+    w = planned_window(HW, probe, view({}), None, 3072)
+    assert replace(w, window=forced.policy.window) == forced.policy  # the same shape, the window cut
+    assert w.window == 1536 and w.capacity() == 1536 + w.sinks
+    assert planned_window(HW, probe, view({}), None, 200) is None  # half of 200 is under the 128-token minimum
+
+
+def window_fig(kld: float, window: int = 1024) -> KldFigure:
+    return KldFigure(f"fp16+sink4+win{window}", kld, kld * 10, 1 - kld, "measured", "fixture calibration", 900,
+                     window=window)
+
+
+def test_a_windowed_plan_quotes_the_measured_window_and_does_not_judge_it():
+    windowed = replace(SPEC, context_length=8192)  # 40,960 tokens are past the trained context: a window
+    table = view({}).kld
+    p = plan(HW, windowed, PlanRequest(context=40960), view({}))
+    assert p.policy.evicts and p.window_quality is None
+    assert any(r.startswith("window: KL divergence of a") and "not measured" in r for r in p.reasons)
+    measured = BackendView("fake", FakeBackend(0).capabilities().refusals,
+                           kld=replace(table, windows={"fp16+sink4": window_fig(2.5)}))
+    q = plan(HW, windowed, PlanRequest(context=40960, max_kld=0.05), measured)
+    assert str(q.policy).startswith("fp16+sink4+win") and q.policy.window > 1024  # 2.5 nats: still taken
+    assert q.window_quality["mean_kld"] == 2.5 and q.window_quality["window"] == 1024
+    assert q.to_dict()["window_quality"]["basis"] == "measured"
+    line = next(r for r in q.reasons if r.startswith("window: "))
+    assert "measured with window 1,024, scored at the 900 positions past it" in line
+    assert f"this plan keeps {q.policy.window:,} tokens" in line and "not judged against --max-kld" in line
+    other_shape = BackendView("fake", FakeBackend(0).capabilities().refusals,
+                              kld=replace(table, windows={"int8+sink4": window_fig(0.1)}))
+    assert plan(HW, windowed, PlanRequest(context=40960), other_shape).window_quality is None
+
+
+def windowed_calibration(model, score_from: int = 1030) -> quality_calibration.QualityCalibration:
+    return replace(calibration(model), windows={"fp16+sink4+win1024": {
+        "mean_kld": 0.3, "p99_kld": 2.0, "top1": 0.8, "ppl_delta_pct": 5.0, "tokens": 900, "score_from": score_from}})
+
+
+def test_a_calibrations_window_is_read_back_with_its_length_and_scored_positions(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(3000))
+    quality_calibration.save(windowed_calibration(model), model)
+    cal, where = quality_calibration.load(model, "llamacpp")
+    fig = cal.window_figures(where)["fp16+sink4"]
+    assert (fig.window, fig.tokens, fig.mean_kld, fig.basis) == (1024, 900, 0.3, "measured")
+    assert cal.windows["fp16+sink4+win1024"]["score_from"] == 1030
+
+
+@pytest.mark.parametrize("damage", ["scored inside the window", "version 1"])
+def test_a_window_scored_inside_it_or_an_old_file_is_ignored(tmp_path, damage):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(3000))
+    path = quality_calibration.save(windowed_calibration(model, score_from=1028), model)
+    if damage == "version 1":
+        data = json.loads(path.read_text())
+        data["version"] = 1
+        del data["windows"]
+        data["windows"] = {}
+        quality_calibration.write_private(path, json.dumps(data))
+    cal, note = quality_calibration.load(model, "llamacpp")
+    assert cal is None and "ignored" in note and "\n" not in note
+    assert ("older localctx" in note) == (damage == "version 1")

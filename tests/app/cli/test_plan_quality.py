@@ -28,10 +28,14 @@ def tiny(tmp_path_factory):
     return write(tmp_path_factory.mktemp("planq") / "llama.gguf", cfg, seed=3)
 
 
-def calibrate(model, figures=FIGURES):
+WINDOW = {"fp16+sink4+win1536": {"mean_kld": 0.7, "p99_kld": 4.0, "top1": 0.6, "ppl_delta_pct": 40.0, "tokens": 768,
+                                  "score_from": 1541}}
+
+
+def calibrate(model, figures=FIGURES, windows=None):
     cal = quality_calibration.QualityCalibration("llamacpp", quality_calibration.identity(model), {
         fmt: {"mean_kld": kld, "p99_kld": kld * 8, "top1": 1 - kld, "ppl_delta_pct": kld * 100, "tokens": 2048}
-        for fmt, kld in figures.items()})
+        for fmt, kld in figures.items()}, windows=windows or {})
     return quality_calibration.save(cal, model)
 
 
@@ -77,6 +81,27 @@ def test_plan_text_shows_the_chosen_figure_and_each_rejected_one(cli, tiny):
     assert "quality: KLD 0.0020 nats/token" in r.out  # int8, refused for memory
 
 
+def test_a_windowed_plan_quotes_the_measured_window_with_its_length_text_and_json(cli, tiny):
+    """Past the trained context only a window holds the stream: plan names the window measured for this
+    model (its length, the positions past it), as measured, and does not judge it against --max-kld."""
+    calibrate(tiny, windows=WINDOW)
+    plan = plan_json(cli, tiny, "--context", "65536")["plan"]
+    assert plan["policy"].startswith("fp16+sink4+win")  # 0.7 nats over the 0.05 budget: quoted, still taken
+    q = plan["window_quality"]
+    assert (q["basis"], q["window"], q["tokens"], q["mean_kld"]) == ("measured", 1536, 768, 0.7)
+    line = next(r for r in plan["reasons"] if r.startswith("window: "))
+    assert "measured with window 1,536, scored at the 768 positions past it" in line
+    assert "not judged against --max-kld" in line
+    r = cli("plan", "-m", str(tiny), "--backend", "llamacpp", "--hardware", "cpu-24gb", "--context", "65536")
+    assert r.code == 0, r.err
+    assert "window    KLD 0.7000 nats/token (p99 4.000), top-1 60.0%, measured with window 1,536, scored at the " \
+           "768 positions past it" in r.out
+    calibrate(tiny)  # a calibration without a window: the plan says the window is not measured
+    bare = plan_json(cli, tiny, "--context", "65536")["plan"]
+    assert bare["window_quality"] is None
+    assert any(r.startswith("window: KL divergence of a fp16+sink4 window not measured") for r in bare["reasons"])
+
+
 def test_a_damaged_calibration_is_ignored_with_a_note(cli, tiny):
     path = calibrate(tiny)
     quality_calibration.write_private(path, "{not json")
@@ -120,18 +145,35 @@ def test_run_json_stats_carry_the_chosen_formats_figure_and_the_offer_is_made_on
     assert "--calibrate-quality" not in second.err
 
 
-def test_calibrate_quality_measures_every_format_on_the_strided_positions_it_names(cli, tiny, monkeypatch):
+def test_calibrate_quality_measures_every_format_and_the_planned_window_on_the_positions_it_names(cli, tiny,
+                                                                                                  monkeypatch):
     """The real command on a tiny GGUF (a short text): it says what it measures, the saved file holds a
-    measured figure per format llama.cpp offers over exactly those positions, and q4_0 costs more than q8_0."""
+    measured figure per format llama.cpp offers over exactly those positions, and q4_0 costs more than q8_0;
+    the window the planner takes here (fp16 keys: llama.cpp shifts no quantized keys) is cut to half the
+    text and scored only past its sinks + window, and equals an evaluation scored from there."""
     from localctx.backends.evaluation import calibrate_quality
+    from localctx.backends.evaluation.tasks import PerplexityTask
+    from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator, evaluate
 
-    monkeypatch.setattr(calibrate_quality, "TOKENS", 96)
+    monkeypatch.setattr(calibrate_quality, "TOKENS", 512)
     r = cli("plan", "-m", str(tiny), "--backend", "llamacpp", "--calibrate-quality", "--json")
     assert r.code == 0, r.err
-    assert "96 tokens of built-in text (pydoc_data.topics), every 2nd prediction scored: 48 positions from 1 to 96 " \
-           "of the 32,768 trained" in r.err
+    assert "512 tokens of built-in text (pydoc_data.topics), every 2nd prediction scored: 256 positions from 1 to " \
+           "512 of the 32,768 trained" in r.err
+    assert "then the window planned here, fp16+sink4+win256, scored only past its 260 cached tokens: 126 positions " \
+           "from 261 to 512" in r.err
     cal, _ = quality_calibration.load(tiny, "llamacpp")
     assert set(cal.figures) == {"int8", "k8v4", "kf16v4", "int4"}
-    assert all(f["tokens"] == 48 for f in cal.figures.values())
+    assert all(f["tokens"] == 256 for f in cal.figures.values())
     assert 0 < cal.figures["int8"]["mean_kld"] < cal.figures["int4"]["mean_kld"]
-    assert "48 positions" in cal.note
+    assert "256 positions" in cal.note and "126 positions from 261" in cal.note
+    window = cal.windows["fp16+sink4+win256"]
+    assert set(cal.windows) == {"fp16+sink4+win256"} and window["tokens"] == 126 and window["score_from"] == 261
+    assert window["mean_kld"] > 0  # past the window the evicted tokens change the predictions
+    reports = evaluate(LlamaCppEvaluator(resolve(str(tiny))), [KVPolicy.parse("fp16+sink4+win256")],
+                       PerplexityTask(513, 256, score_from=261, stride=2), None)
+    assert reports[1].divergence.scored == 126
+    assert window["mean_kld"] == pytest.approx(reports[1].divergence.mean_kld, rel=1e-6)
+    early = evaluate(LlamaCppEvaluator(resolve(str(tiny))), [KVPolicy.parse("fp16+sink4+win256")],
+                     PerplexityTask(261, 256, stride=2), None)[1].divergence
+    assert early.mean_kld == 0  # inside the window nothing is evicted: scoring there would dilute the figure
