@@ -25,7 +25,6 @@ from localctx.backends.base import (GenerationEvent, GenerationParams, OutputCon
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
 from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
-from localctx.backends.llamacpp.speculate import PROBE_TOKENS
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.generation.decode_loop import KVProbe, stream
@@ -160,7 +159,7 @@ class LlamaCppSession(Session):
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
         self._chunks: cache_reuse.ChunkReuse | None = None  # opt-in: enable_cache_reuse()
         # rows a verify batch may have and match one-token decoding bit for bit (speculate.exact_rows),
-        # measured at the first answer with prompt lookup
+        # measured at the first answer with prompt lookup (1 without flash attention: no drafts)
         self.exact_rows: int | None = None
 
     # -- prompts ---------------------------------------------------------------
@@ -349,12 +348,10 @@ class LlamaCppSession(Session):
         # a verify batch stays inside the context allocated now (fit() made room for the prompt and answer)
         verifier = LlamaCppVerifier(self.llm, min(self.plan.context, int(self.llm.n_ctx())), self._shift)
         try:
-            first = last_logits(self.llm)  # before the probe: it decodes after the prompt and rolls back
-            if self.exact_rows is None and self.settings.flash_attn:  # without it batches are not exact (speculate.py)
-                self.exact_rows = exact_rows(verifier)
-            rows = self.exact_rows or 1  # not measured (no room for the probe) or no flash attention: no drafts
-            clock.verify_exact_rows = rows
-            tokens = speculation.speculative_tokens(verifier, prompt_ids, first, params, clock,
+            if self.exact_rows is None:  # without flash attention batches are not exact (speculate.py): no drafts
+                self.exact_rows = exact_rows(self.llm) if self.settings.flash_attn else 1
+            rows = clock.verify_exact_rows = self.exact_rows
+            tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock,
                                                    max_draft=rows - 1, verify_cost=self.verify_cost)
             for token in tokens:
                 yield token
@@ -370,8 +367,7 @@ class LlamaCppSession(Session):
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True,
                                         constrained=params.constraint is not None)
-        probe = PROBE_TOKENS if speculate == "ngram" and self.exact_rows is None else 0  # cells the probe needs
-        self.fit(len(ids) + params.max_tokens + probe)
+        self.fit(len(ids) + params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=cached, speculate=speculate)
