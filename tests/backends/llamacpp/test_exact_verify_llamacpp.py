@@ -9,7 +9,7 @@ import pytest
 from localctx.app.session_options import SessionRequest, open_session
 from localctx.backends.base import GenerationParams
 from localctx.backends.generation.speculation import MAX_DRAFT
-from localctx.backends.llamacpp import shift
+from localctx.backends.llamacpp import shift, speculate
 from localctx.backends.llamacpp.speculate import LlamaCppVerifier, exact_rows
 from localctx.kvcache.calibration import Calibration, FormatCost
 
@@ -80,10 +80,42 @@ def test_without_flash_attention_prompt_lookup_drafts_nothing(monkeypatch):
                       formats={"fp16": FormatCost(0.01, 1e-10, settings={"flash_attn": False})})
     monkeypatch.setattr(shift, "local_calibration", lambda: off)  # fp16 measured faster without it
     seen = verify_lengths(monkeypatch)
+
+    def not_probed(llm, max_rows=0):
+        raise AssertionError("without flash attention no verify batch is exact: nothing to probe")
+
+    monkeypatch.setattr(speculate, "exact_rows", not_probed)
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
         assert not s.settings.flash_attn
         events = list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="ngram")))
-        assert s.exact_rows is None  # not probed
+        assert s.exact_rows == 1
     stats = events[-1].stats
     assert stats.speculate == "ngram" and stats.drafted_tokens == 0 and stats.verify_exact_rows == 1
     assert set(seen) == {1}
+
+
+@pytest.mark.slow
+def test_prompt_lookup_on_gemma3_keeps_plain_decodings_text(gemma3_path, monkeypatch):
+    """Gemma 3 270M's verify batches part from one-token steps past a few rows (3 on this build): the
+    probe finds where, and the drafted answers are still plain decoding's, token for token."""
+    from localctx.backends.generation.draft_policy import StepCost
+
+    monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.48 * (n_tokens - 1))  # as above
+    seen = verify_lengths(monkeypatch)
+    import pydoc_data.topics as topics
+
+    passage = topics.topics["calls"].strip()[:400]
+    prompts = [[{"role": "user", "content": "Copy this text exactly:\n\n" + passage}],
+               [{"role": "user", "content": "Explain how ocean tides work, in a few sentences."}]]
+    accepted = 0
+    with open_session(SessionRequest(model=str(gemma3_path), backend="llamacpp", kv="fp16", context=1024)) as s:
+        for prompt in prompts:
+            s.reset()
+            plain = [e.token for e in s.generate(prompt, GenerationParams(max_tokens=40, speculate="off"))
+                     if e.kind == "token"]
+            s.reset()
+            events = list(s.generate(prompt, GenerationParams(max_tokens=40, speculate="ngram")))
+            assert [e.token for e in events if e.kind == "token"] == plain
+            accepted += events[-1].stats.accepted_tokens
+        assert 2 <= s.exact_rows <= MAX_DRAFT + 1 and max(seen) <= s.exact_rows
+    assert accepted > 0
