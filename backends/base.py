@@ -90,6 +90,9 @@ class GenerationStats:
     # the mean time of this answer's verify steps (a draft with the pending token) over the mean of its
     # plain one-token steps; 0.0 until both kinds ran
     verify_cost_ratio: float = 0.0
+    # the most tokens a verify step may hold (drafts + 1) and still give one-token decoding's logits bit
+    # for bit, as the backend measured it (llama.cpp: llamacpp/speculate.exact_rows); 0: not measured
+    verify_exact_rows: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -291,6 +294,7 @@ class StatsClock:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     verify_cost_ratio: float = 0.0
+    verify_exact_rows: int = 0
 
     def stats(self, kv_bytes: int, kv_tokens: int, evicted: int = 0) -> GenerationStats:
         return GenerationStats(backend=self.backend, policy=self.policy, prompt_tokens=self.prompt_tokens,
@@ -300,7 +304,8 @@ class StatsClock:
                                prefill_s=self.prefill_s, decode_s=self.decode_s, kv_bytes=kv_bytes,
                                kv_tokens=kv_tokens, evicted_tokens=evicted, speculate=self.speculate,
                                decode_steps=self.decode_steps, drafted_tokens=self.drafted_tokens,
-                               accepted_tokens=self.accepted_tokens, verify_cost_ratio=self.verify_cost_ratio)
+                               accepted_tokens=self.accepted_tokens, verify_cost_ratio=self.verify_cost_ratio,
+                               verify_exact_rows=self.verify_exact_rows)
 
 
 def with_template_stops(prompt: Prompt, params: GenerationParams, stops: tuple[str, ...]) -> GenerationParams:

@@ -227,12 +227,13 @@ def refusal(policy) -> str | None:
     return None
 
 
-# llama.cpp evaluates a batch of two or more tokens with other kernels than a one-token step: on the
-# bundled SmolLM2 (Q4_1) the logits of a batch's first row differ from the same token's one-token
-# step by up to 0.5 (measured; the same one-token step through the verify path differs by 0.0), so
-# where the top two logits are that close a verified draft can pick the other token.
-BATCH_NUMERICS = ("llama.cpp computes a multi-token verify with other kernels than a one-token step, so greedy "
-                  "output can differ where the top two logits are within about 0.5; --speculate ngram accepts that")
+# llama.cpp evaluates a batch of two or more tokens with other kernels than a one-token step: without
+# flash attention the logits of a verify batch differ from the one-token step's (by up to 0.5 on the
+# bundled SmolLM2), and with it they are bit-equal only up to some rows (Gemma 3 270M: 3). Its session
+# therefore measures those rows once (backends/llamacpp/speculate.exact_rows) and drafts within them;
+# auto stays off there, since what prompt lookup can draft depends on that probe.
+BATCH_NUMERICS = ("llama.cpp's multi-token verify matches its one-token step only with flash attention and up to the "
+                  "rows a per-session probe finds; --speculate ngram opts in and drafts within them")
 
 
 def resolve(mode: str, policy, batch_differs: bool = False, constrained: bool = False) -> str:

@@ -158,6 +158,9 @@ class LlamaCppSession(Session):
         self._shift = shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
         self._chunks: cache_reuse.ChunkReuse | None = None  # opt-in: enable_cache_reuse()
+        # rows a verify batch may have and match one-token decoding bit for bit (speculate.exact_rows),
+        # measured at the first answer with prompt lookup (1 without flash attention: no drafts)
+        self.exact_rows: int | None = None
 
     # -- prompts ---------------------------------------------------------------
     def _piece(self, token: int) -> str:
@@ -340,13 +343,16 @@ class LlamaCppSession(Session):
         self._disk_prefix(prompt_ids, clock)
         self._reuse_chunks(prompt_ids, clock)
         self._prefill(prompt_ids)
-        from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits  # prompt lookup only
+        from localctx.backends.llamacpp.speculate import LlamaCppVerifier, exact_rows, last_logits  # prompt lookup only
 
         # a verify batch stays inside the context allocated now (fit() made room for the prompt and answer)
         verifier = LlamaCppVerifier(self.llm, min(self.plan.context, int(self.llm.n_ctx())), self._shift)
         try:
+            if self.exact_rows is None:  # without flash attention batches are not exact (speculate.py): no drafts
+                self.exact_rows = exact_rows(self.llm) if self.settings.flash_attn else 1
+            rows = clock.verify_exact_rows = self.exact_rows
             tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock,
-                                                   verify_cost=self.verify_cost)
+                                                   max_draft=rows - 1, verify_cost=self.verify_cost)
             for token in tokens:
                 yield token
                 if not self._shift and self.llm.n_tokens >= self.plan.context:
@@ -359,10 +365,10 @@ class LlamaCppSession(Session):
         ids = self.tokenize(prompt)
         params = with_template_stops(prompt, params, self.template.stops)
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
-        self.fit(len(ids) + params.max_tokens)
-        cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True,
                                         constrained=params.constraint is not None)
+        self.fit(len(ids) + params.max_tokens)
+        cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=cached, speculate=speculate)
         drafted = clock.speculate == "ngram"

@@ -2,7 +2,14 @@
 draft go into one ``llama_decode`` batch with logits requested at every position; the rejected
 tail leaves the KV cache through ``llama_memory_seq_rm`` (whole cells, so q8_0 / q4_0 KV rolls
 back exactly). Under sinks + window the step never crosses a context shift: a draft is cut to
-the cells left before the next shift, and the step that shifts is a plain one-token step."""
+the cells left before the next shift, and the step that shifts is a plain one-token step.
+
+llama.cpp computes a batch of several tokens with other kernels than a one-token step (weight
+repacking switches from GEMV to GEMM at 4 rows; attention without flash attention sums in another
+order: docs/benchmarks-reuse.md), so a verify batch's logits are not always the one-token step's.
+``exact_rows`` measures, once per session, how many rows a verify batch may have and still give
+bit-for-bit the logits of one-token decoding; the session never drafts more than that minus one,
+so prompt lookup's text is plain decoding's."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -69,6 +76,82 @@ class LlamaCppVerifier:
         self.llm.n_tokens = keep
         if self.shift:
             del self.shift.stream[-n:]
+
+
+PROBE_TEXT = ("The river crossing grew into a market town: merchants from the north brought wool, salt and "
+              "iron to trade for grain and wine, and by 1200 the town had walls, a bridge and two churches.")
+PROBE_OFFSET = 6  # one-token steps before the second series of batches (a batch in the middle of a text)
+PROBE_CELLS = 256  # the probe's own context: one llama.cpp cell pad
+
+
+def probe_tokens(llm, n: int) -> list[int]:
+    ids = llm.tokenize(PROBE_TEXT.encode(), add_bos=True, special=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+class _ProbeContext:
+    """A small llama.cpp context of its own on the session's weights, with the session's context
+    settings (KV types, flash attention, threads), so that the probe leaves the session's cache alone."""
+
+    def __init__(self, llm, rows: int):
+        import llama_cpp
+
+        self.lib = L = llama_cpp
+        params = L.llama_context_params.from_buffer_copy(llm.context_params)
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = PROBE_CELLS, rows, rows, 1
+        self.ctx = L.llama_init_from_model(llm.model, params)
+        if not self.ctx:
+            raise RuntimeFailure("llama.cpp could not open a context for the verify probe")
+        self.batch = L.llama_batch_init(rows, 0, 1)
+        self.n_vocab, self.n = llm.n_vocab(), 0
+
+    def step(self, tokens: Sequence[int]) -> np.ndarray:
+        b = self.batch
+        for j, tok in enumerate(tokens):
+            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, self.n + j, 1, 1
+            b.seq_id[j][0] = 0
+        b.n_tokens = len(tokens)
+        if self.lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeFailure("llama.cpp could not decode the verify probe")
+        self.n += len(tokens)
+        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(len(tokens), self.n_vocab)).copy()
+
+    def rollback(self, n: int) -> None:
+        self.n -= n
+        self.lib.llama_memory_seq_rm(self.lib.llama_get_memory(self.ctx), 0, self.n, -1)
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
+
+
+def exact_rows(llm, max_rows: int = MAX_DRAFT + 1) -> int:
+    """The largest T ≤ ``max_rows`` for which a T-token verify step gives bit-for-bit the logits of
+    T one-token steps, and leaves a cache from which the next one-token step's logits are bit-equal
+    too: each T from 2 up until one differs, at the start of a short fixed text and after
+    ``PROBE_OFFSET`` of its tokens, in a small context of the probe's own with ``llm``'s settings
+    (about 50 decode steps; the session's cache is not touched)."""
+    probe = _ProbeContext(llm, max_rows)
+    try:
+        tokens = probe_tokens(llm, PROBE_OFFSET + max_rows + 1)
+        reference = np.concatenate([probe.step([t]) for t in tokens])  # one-token steps
+        probe.rollback(len(tokens))
+
+        def exact(start: int, rows: int) -> bool:
+            batch = probe.step(tokens[start:start + rows])
+            after = probe.step([tokens[start + rows]])
+            probe.rollback(rows + 1)
+            return (np.array_equal(batch, reference[start:start + rows])
+                    and np.array_equal(after[0], reference[start + rows]))
+
+        best = 1
+        while best < max_rows and exact(0, best + 1):
+            best += 1
+        for t in tokens[:PROBE_OFFSET]:
+            probe.step([t])
+        return next((rows - 1 for rows in range(2, best + 1) if not exact(PROBE_OFFSET, rows)), best)
+    finally:
+        probe.close()
 
 
 def last_logits(llm) -> np.ndarray:

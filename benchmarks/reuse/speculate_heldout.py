@@ -51,7 +51,8 @@ def run_once(model: str, prompt: str, speculate: str, max_tokens: int, env: dict
     s = result["stats"]
     return {"text": result["text"], "decode_tok_s": s["decode_tok_s"], "generated": s["generated_tokens"],
             "tokens_per_step": s["tokens_per_step"], "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"],
-            "verify_cost_ratio": s["verify_cost_ratio"], "speculate": s["speculate"]}
+            "verify_cost_ratio": s["verify_cost_ratio"], "verify_exact_rows": s["verify_exact_rows"],
+            "speculate": s["speculate"]}
 
 
 def write(out: Path, args: argparse.Namespace, rows: dict[str, list[dict]]) -> dict:

@@ -24,12 +24,13 @@ def tiny(tmp_path_factory):
     return write(tmp_path_factory.mktemp("evalcpp") / "llama.gguf", cfg, seed=3)
 
 
-def one_batch_nll(path, ids: list[int]) -> np.ndarray:
-    """-log p(token i | tokens < i) for i = 1.., from llama.cpp's logits of every position in one batch."""
+def one_batch_nll(path, ids: list[int], flash_attn: bool = False) -> np.ndarray:
+    """-log p(token i | tokens < i) for i = 1.., from llama.cpp's logits of every position in one batch
+    (``flash_attn`` as the evaluated cache ran: attention with and without it rounds differently)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=1024, n_batch=1024, n_ubatch=1024, logits_all=True, n_threads=1,
-                verbose=False)
+                flash_attn=flash_attn, verbose=False)
     try:
         llm.eval(ids)
         logits = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)
@@ -112,8 +113,11 @@ def test_smollm2_streamed_perplexity_equals_one_batch(capsys):
     ids = text_tokens(LlamaCppTokenizer(resolve(None)), 256)
     from localctx.backends.models.ref import bundled_default_path
 
-    expected = math.exp(one_batch_nll(bundled_default_path(), ids).mean())
-    assert full["perplexity"]["ppl"] == pytest.approx(expected, rel=1e-3)
+    expected = math.exp(one_batch_nll(bundled_default_path(), ids, full["cache"]["flash_attn"]).mean())
+    # fp16 runs with flash attention (backends/llamacpp/shift.flash_attn_for); with it the streamed 64-token
+    # chunks and the one 256-token batch differ by 0.24% (17.214 against 17.255, measured 2026-12-06), where
+    # without it they agreed within 0.1%: the batch shapes round differently, so 0.5% here
+    assert full["perplexity"]["ppl"] == pytest.approx(expected, rel=5e-3)
     assert 1 < expected < 100  # a real model on English text
     assert abs(q8["perplexity"]["ppl"] / expected - 1) < 0.02
     assert full["needle"]["grid"][0]["hit"]  # the model finds a key 256 tokens back
