@@ -118,7 +118,7 @@ LONG_TASKS = ["--tasks", "niah_multikey,niah_multivalue,vt,cwe", "--samples", "1
 TASK_MODELS = {"smollm2": [], "gemma3": ["-m", GEMMA3], "qwen05": ["-m", QWEN05]}
 TASK_POLICIES = {"llamacpp": ("fp16", "int8", "k8v4", "kf16v4", "int4"),
                  "torch": ("fp16", "int8", "int4", "int4+res128", "fp16+sink4+win1024")}
-TASK_LENGTHS = (2048, 4096)
+TASK_LENGTHS = (2048, 4096, 8192)
 
 
 def task_figure(model: str, backend: str, length: int, policy: str) -> list[str]:
@@ -267,20 +267,49 @@ def tasks_markdown() -> list[str]:
     return lines
 
 
+def long_tasks_markdown() -> list[str]:
+    """The tasks past 2,048 tokens (tasks-M-B-Nk-P, N > 2): one row per model, backend, length and
+    policy, fp16 first within a length; no perplexity (those figures run the tasks alone)."""
+    rows = []
+    for name in COMMANDS:
+        parts = name.split("-", 4)
+        if parts[0] != "tasks" or parts[3] == "2k" or (data := load(name)) is None:
+            continue
+        _, model, backend, length, policy = parts
+        rows.append(((MODEL_NAMES[model], backend, int(length[:-1]), policy != "fp16"), name, policy, data))
+    lines = ["| model | backend | length | policy | K/V | " + " | ".join(TASK_NAMES) + " | load | s | raw |",
+             "|---|---|---:|---|---|" + "---:|" * len(TASK_NAMES) + "---|---:|---|"]
+    for (model, backend, length, _), name, policy, data in sorted(rows, key=lambda r: r[0]):
+        cache = data["policies"][0].get("cache") or {}
+        summary = {s["task"]: s for t in data.get("tasks", []) for s in t["summary"]}
+        host = data.get("host")
+        cells = [model, backend, f"{length * 1024:,}", policy,
+                 f"{cache['type_k']}/{cache['type_v']}" if cache else "torch"]
+        cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary
+                  else "not run" for t in TASK_NAMES]
+        cells.append(f"{host['load_before'][0]:.0f}–{host['load_after'][0]:.0f}" if host else "—")
+        cells.append(f"{host['wall_s']:.0f}" if host else "—")
+        cells.append(f"`results/quality/quality-{name}.json`")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 TASK_NAMES = ("niah_multikey", "niah_multivalue", "vt", "cwe")
 DOC = DOCS.parents[1] / "quality.md"
 DOC_START, DOC_END = "<!-- tasks-table: printed by python benchmarks/quality/quality_tables.py --tasks-markdown -->", \
     "<!-- /tasks-table -->"
+LONG_START, LONG_END = ("<!-- long-tasks-table: printed by python benchmarks/quality/quality_tables.py "
+                        "--tasks-markdown -->", "<!-- /long-tasks-table -->")
 
 
-def write_doc_table(table: str) -> None:
-    """docs/quality.md with ``table`` between its tasks-table markers (written atomically)."""
+def write_doc_table(table: str, start: str = DOC_START, end: str = DOC_END) -> None:
+    """docs/quality.md with ``table`` between the markers ``start`` and ``end`` (written atomically)."""
     text = DOC.read_text()
-    head, rest = text.split(DOC_START, 1)
-    _, tail = rest.split(DOC_END, 1)
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
     fd, tmp = tempfile.mkstemp(dir=DOC.parent, prefix=".quality.md.")
     with os.fdopen(fd, "w") as f:
-        f.write(f"{head}{DOC_START}\n{table}\n{DOC_END}{tail}")
+        f.write(f"{head}{start}\n{table}\n{end}{tail}")
     os.replace(tmp, DOC)
 
 
@@ -296,11 +325,12 @@ def main(argv=None) -> int:
                     help="with --tasks-markdown: replace the table between docs/quality.md's tasks-table markers")
     args = ap.parse_args(argv)
     if args.tasks_markdown:
-        table = "\n".join(tasks_markdown())
+        table, long_table = "\n".join(tasks_markdown()), "\n".join(long_tasks_markdown())
         if args.write_doc:
             write_doc_table(table)
+            write_doc_table(long_table, LONG_START, LONG_END)
         else:
-            print(table)
+            print(table + "\n\n" + long_table)
         return 0
     if args.markdown:
         print("| figure | policy | K/V | perplexity | vs fp16 | per segment | KV held | passkey | s |")
