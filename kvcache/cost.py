@@ -176,3 +176,24 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def layout_note(spec: ModelSpec, policy: KVPolicy) -> str:
+    """Where the model's own attention shapes the KV: sliding layers capped at their window, layers
+    without attention, experts read per token."""
+    layers = spec.attention()
+    sliding = [layer for layer in layers if layer.kind == "sliding"]
+    none = sum(1 for layer in layers if not layer.holds_kv)
+    notes = []
+    if sliding:
+        windows = sorted({layer.window for layer in sliding})
+        capped = sum(1 for layer in sliding if layer_policy(policy, layer).window == layer.window)
+        notes.append(f"{len(sliding)} of {len(layers)} layers slide over {', '.join(f'{w:,}' for w in windows)} "
+                     f"tokens and hold at most that ({capped} capped by their own window, "
+                     f"{len(sliding) - capped} by the policy's)")
+    if none:
+        notes.append(f"{none} layers hold no KV (recurrent or linear attention)")
+    if spec.moe:
+        notes.append(f"a decoded token reads {format_bytes(spec.decode_weight_bytes)} of weights "
+                     f"({spec.moe.n_active} of {spec.moe.n_experts} experts)")
+    return "; " + "; ".join(notes) if notes else ""

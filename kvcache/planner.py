@@ -400,34 +400,13 @@ def _finish(s: _Search, policy: KVPolicy, reasons: list[str]) -> Plan:
         reasons.append(f"speed target {s.req.min_tok_s:g} tok/s met" + _target_cost(s, policy))
     kv = s.backend.kv_bytes(spec, policy, ctx)
     reasons.append(f"KV {format_bytes(kv)} peak of the {format_bytes(max(s.budget.kv, 0))} budget"
-                   + layout_note(spec, policy))
+                   + cost.layout_note(spec, policy))
     reasons.extend(f"assumed: {a}" for a in spec.assumptions)
     fig, window = s.backend.kld.figure(policy), s.backend.kld.window_figure(policy)
     return Plan(backend=s.backend.name, policy=policy, context=ctx, kv_bytes=kv, weight_bytes=spec.weight_bytes,
                 decode_tok_s=tok_s, prefill_tok_s=s.speed.prefill_tok_s(spec, min(ctx, 4096)),
                 hardware=s.hw.name, reasons=reasons, rejected=s.rejected, kv_layout=s.backend.describe(policy),
                 quality=fig.to_dict() if fig else None, window_quality=window.to_dict() if window else None)
-
-
-def layout_note(spec: ModelSpec, policy: KVPolicy) -> str:
-    """Where the model's own attention shapes the KV: sliding layers capped at their window, layers
-    without attention, experts read per token."""
-    layers = spec.attention()
-    sliding = [layer for layer in layers if layer.kind == "sliding"]
-    none = sum(1 for layer in layers if not layer.holds_kv)
-    notes = []
-    if sliding:
-        windows = sorted({layer.window for layer in sliding})
-        capped = sum(1 for layer in sliding if cost.layer_policy(policy, layer).window == layer.window)
-        notes.append(f"{len(sliding)} of {len(layers)} layers slide over {', '.join(f'{w:,}' for w in windows)} "
-                     f"tokens and hold at most that ({capped} capped by their own window, "
-                     f"{len(sliding) - capped} by the policy's)")
-    if none:
-        notes.append(f"{none} layers hold no KV (recurrent or linear attention)")
-    if spec.moe:
-        notes.append(f"a decoded token reads {format_bytes(spec.decode_weight_bytes)} of weights "
-                     f"({spec.moe.n_active} of {spec.moe.n_experts} experts)")
-    return "; " + "; ".join(notes) if notes else ""
 
 
 def _target_cost(s: _Search, policy: KVPolicy) -> str:
@@ -450,29 +429,3 @@ def _target_cost(s: _Search, policy: KVPolicy) -> str:
         given_up.append(f"the cache keeps {kept_now:,} tokens instead of {before}")
     return (f"; it cost {', '.join(given_up) or 'a different policy'}: without the target the plan is "
             f"{free.policy} at ≈ {free.decode_tok_s:.0f} tok/s")
-
-
-@dataclass(frozen=True)
-class Projection:
-    context: int
-    kv_bytes: int
-    decode_tok_s: float
-    fits: bool
-
-
-def projections(p: Plan, spec: ModelSpec, speed: SpeedModel, contexts: list[int], kv_budget: int,
-                backend: BackendView | None = None) -> list[Projection]:
-    """KV memory (as ``backend`` allocates it) and decode speed of the chosen policy at each context length."""
-    view = backend or BackendView(p.backend, lambda policy: [])
-    out = []
-    for c in contexts:
-        kv = view.kv_bytes(spec, p.policy, c)
-        out.append(Projection(c, kv, speed.worst_decode_tok_s(spec, p.policy, c), kv <= kv_budget))
-    return out
-
-
-def projection_contexts(spec: ModelSpec, requested: int) -> list[int]:
-    """4K / 32K / 128K up to the trained context (and past it only if asked), plus the request."""
-    top = max(spec.context_length, requested)
-    out = sorted({c for c in (4096, 32768, 131072) if c <= top} | {requested})
-    return out

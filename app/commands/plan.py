@@ -17,7 +17,8 @@ from localctx.backends.machine.planner_inputs import calibrate_and_save, choose_
 from localctx.kvcache import known_models, reuse_projection
 from localctx.kvcache.cost import format_bytes, full_bytes_per_token
 from localctx.kvcache.errors import UserError
-from localctx.kvcache.planner import NoPlanFits, budget, projection_contexts, projections
+from localctx.kvcache.planner import NoPlanFits, budget
+from localctx.kvcache.projection import projection_contexts, projections
 from localctx.kvcache.prompt_cache import CHUNK
 from localctx.kvcache.model_spec import ModelSpec, describe_layout
 

@@ -13,7 +13,8 @@ from localctx.kvcache import calibration, cost, kld_quality, quality, quality_ca
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import HardwareProfile
 from localctx.kvcache.plan import Plan
-from localctx.kvcache.planner import BackendView, PlanRequest, budget, layout_note, plan, window_words
+from localctx.kvcache.cost import layout_note
+from localctx.kvcache.planner import BackendView, PlanRequest, budget, plan, window_words
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.speed import SpeedModel

@@ -8,8 +8,8 @@ from localctx.kvcache import cost
 from localctx.kvcache.calibration import Calibration, FormatCost
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.known_models import known_spec
-from localctx.kvcache.planner import (BackendView, NoPlanFits, PlanRequest, budget, parse_size, plan,
-                                      projection_contexts, projections)
+from localctx.kvcache.planner import BackendView, NoPlanFits, PlanRequest, budget, parse_size, plan
+from localctx.kvcache.projection import projection_contexts, projections
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.speed import SpeedModel
 
