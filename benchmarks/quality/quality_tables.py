@@ -235,6 +235,12 @@ def task_row_key(name: str) -> tuple[str, str, str] | None:
     return None
 
 
+def task_cells(summary: dict) -> list[str]:
+    """Each task's mean score and hits / samples, "not run" where no figure measured it."""
+    return [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary
+            else "not run" for t in TASK_NAMES]
+
+
 def tasks_markdown() -> list[str]:
     """The long-context tasks table of docs/quality.md, at 2,048 tokens: one row per (model, backend,
     policy) with a measured figure, from every figure of it (perplexity from one, tasks from another),
@@ -258,8 +264,7 @@ def tasks_markdown() -> list[str]:
         cells = [MODEL_NAMES[model], backend, policy, f"{cache['type_k']}/{cache['type_v']}" if cache else "torch",
                  f"{ppl['ppl']:.4f}" if ppl else "—",
                  f"{(ppl['ppl'] / base['ppl'] - 1) * 100:+.2f}%" if ppl and base and policy != "fp16" else "—"]
-        cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary
-                  else "not run" for t in TASK_NAMES]
+        cells += task_cells(summary)
         cells.append(", ".join(f"{h['load_before'][0]:.0f}–{h['load_after'][0]:.0f}" for h in hosts) or "—")
         cells.append(", ".join(f"{h['wall_s']:.0f}" for h in hosts) or "—")
         cells.append(", ".join(f"`results/quality/quality-{n}.json`" for n, _ in figures))
@@ -285,8 +290,7 @@ def long_tasks_markdown() -> list[str]:
         host = data.get("host")
         cells = [model, backend, f"{length * 1024:,}", policy,
                  f"{cache['type_k']}/{cache['type_v']}" if cache else "torch"]
-        cells += [f"{summary[t]['score']:.2f} ({summary[t]['hits']}/{summary[t]['samples']})" if t in summary
-                  else "not run" for t in TASK_NAMES]
+        cells += task_cells(summary)
         cells.append(f"{host['load_before'][0]:.0f}–{host['load_after'][0]:.0f}" if host else "—")
         cells.append(f"{host['wall_s']:.0f}" if host else "—")
         cells.append(f"`results/quality/quality-{name}.json`")
