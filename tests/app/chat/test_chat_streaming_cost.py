@@ -165,3 +165,26 @@ def test_the_cursor_holds_still_while_an_answer_streams(history):
             assert prompt.cursor_blink
 
     asyncio.run(go())
+
+
+def test_the_widget_tree_is_out_of_the_collectors_reach_while_the_chat_runs(history):
+    """A full garbage collection while an answer streams walks only what was made since startup: the
+    screen and its widgets are frozen once drawn, and handed back to the collector when the app ends."""
+    import gc
+
+    app = make_app(history)
+    assert gc.get_freeze_count() == 0
+
+    async def go() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: gc.get_freeze_count() > 0)
+            frozen = gc.get_freeze_count()
+            assert frozen > 1000  # the imports and the widget tree, not a handful of objects
+            await send(pilot, "hello")
+            await wait_until(pilot, lambda: app.chat.turn == 1 and not app.chat.busy)
+            collectable = [gc.get_objects(generation) for generation in range(3)]
+            assert not any(o is app.chat for objects in collectable for o in objects)  # the screen: frozen
+            assert gc.get_freeze_count() > frozen // 2
+
+    asyncio.run(go())
+    assert gc.get_freeze_count() == 0  # unfrozen on exit: a process running many apps keeps no garbage
