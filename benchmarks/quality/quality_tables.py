@@ -118,7 +118,7 @@ LONG_TASKS = ["--tasks", "niah_multikey,niah_multivalue,vt,cwe", "--samples", "1
 TASK_MODELS = {"smollm2": [], "gemma3": ["-m", GEMMA3], "qwen05": ["-m", QWEN05]}
 TASK_POLICIES = {"llamacpp": ("fp16", "int8", "k8v4", "kf16v4", "int4"),
                  "torch": ("fp16", "int8", "int4", "int4+res128", "fp16+sink4+win1024")}
-TASK_LENGTHS = (2048, 4096, 8192)
+TASK_LENGTHS = (2048, 4096, 8192, 16384)
 
 
 def task_figure(model: str, backend: str, length: int, policy: str) -> list[str]:
