@@ -35,7 +35,7 @@ TORCH_TOKENS = 2048
 # MLX (off Metal: weights expanded to float32, every row's logits) streams MLX_TOKENS tokens through each of
 # the six caches, then two for the window (docs/quality.md "Calibration time": measured on SmolLM2-135M,
 # projected to a 0.5B model at about ten minutes on this project's 2-core CPU host).
-MLX_TOKENS = 1024
+MLX_TOKENS = 512
 CHUNK = 256  # tokens per forward
 FORMATS = ("int8", "k8v4", "kf16v4", "int4+res128", "int4")  # those the backend does not refuse are measured
 
