@@ -32,10 +32,11 @@ from localctx.kvcache.quality_calibration import QualityCalibration, identity
 TOKENS = 3072
 STRIDE = 2
 TORCH_TOKENS = 2048
-# MLX (off Metal: weights expanded to float32, every row's logits) streams MLX_TOKENS tokens through each of
-# the six caches, then two for the window (docs/quality.md "Calibration time": measured on SmolLM2-135M,
-# projected to a 0.5B model at about ten minutes on this project's 2-core CPU host).
-MLX_TOKENS = 512
+# MLX (off Metal: weights expanded to float32, every row's logits) streams MLX_TOKENS tokens through the
+# full-precision cache and each of its three lossy formats, then two caches for the window: SmolLM2-135M at
+# 512 tokens took 217 s wall on 2 cores, so 384 tokens project to about 10 minutes for a 0.5B model
+# (docs/quality.md "Calibration time").
+MLX_TOKENS = 384
 CHUNK = 256  # tokens per forward
 FORMATS = ("int8", "k8v4", "kf16v4", "int4+res128", "int4")  # those the backend does not refuse are measured
 
