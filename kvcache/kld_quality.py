@@ -22,7 +22,7 @@ from localctx.kvcache.quality import format_key
 # llama.cpp's q4_0 on Qwen2.5 0.5B (0.61) and on SmolLM2-135M (0.065; docs/quality.md "KL divergence")
 DEFAULT_MAX_KLD = 0.05
 PRIORS_ASSET = "kv_quality_kld.json"
-CALIBRATED_BACKENDS = ("llamacpp", "torch")  # the backends `plan --calibrate-quality` measures
+CALIBRATED_BACKENDS = ("llamacpp", "torch", "mlx")  # the backends `plan --calibrate-quality` measures
 SIZE_CLASSES = ((300e6, "<300M"), (1.2e9, "300M-1.2B"), (4e9, "1.2B-4B"), (15e9, "4B-15B"))
 
 

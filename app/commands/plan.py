@@ -144,8 +144,8 @@ def _calibrate_quality(req: SessionRequest) -> None:
 
     if req.hardware:
         raise UserError("--calibrate-quality measures the model on this machine; drop --hardware")
-    if req.backend not in ("llamacpp", "torch"):
-        raise UserError(f"--calibrate-quality needs --backend llamacpp or --backend torch (got {req.backend}): "
+    if req.backend not in ("llamacpp", "torch", "mlx"):
+        raise UserError(f"--calibrate-quality needs --backend llamacpp, torch or mlx (got {req.backend}): "
                         "each backend's cache loses differently, so each is calibrated apart")
     ref, spec = resolve_model(req)
     formats = ", ".join(map(str, formats_for(req.backend, spec)))

@@ -32,6 +32,11 @@ from localctx.kvcache.quality_calibration import QualityCalibration, identity
 TOKENS = 3072
 STRIDE = 2
 TORCH_TOKENS = 2048
+# MLX (off Metal: weights expanded to float32, every row's logits) streams MLX_TOKENS tokens through the
+# full-precision cache and each of its three lossy formats, then two caches for the window: SmolLM2-135M at
+# 512 tokens took 217 s wall on 2 cores, so 384 tokens project to about 10 minutes for a 0.5B model
+# (docs/quality.md "Calibration time").
+MLX_TOKENS = 384
 CHUNK = 256  # tokens per forward
 FORMATS = ("int8", "k8v4", "kf16v4", "int4+res128", "int4")  # those the backend does not refuse are measured
 
@@ -64,6 +69,8 @@ def formats_for(backend: str, spec: ModelSpec) -> list[KVPolicy]:
 def task_for(backend: str, tokens: int | None = None) -> PerplexityTask:
     if backend == "llamacpp":
         return PerplexityTask((tokens or TOKENS) + 1, CHUNK, stride=STRIDE)
+    if backend == "mlx":
+        return PerplexityTask((tokens or MLX_TOKENS) + 1, CHUNK)
     return PerplexityTask((tokens or TORCH_TOKENS) + 1, CHUNK)
 
 
@@ -114,8 +121,13 @@ def evaluator_for(backend: str, ref: ModelRef, threads: int | None = None):
         loaded = load_model(ref, TorchOptions.from_env())
         engine = PolicyEvaluator(loaded.model, loaded.tokenizer)
         return lambda policies, task, on_chunk: evaluate(engine, policies, task, None, on_chunk=on_chunk)
-    raise UserError(f"--calibrate-quality measures the llamacpp or torch backend, not {backend}; "
-                    "add --backend llamacpp or --backend torch")
+    if backend == "mlx":  # each policy on the graph `localctx run` takes for it, the reference on theirs
+        from localctx.backends.mlx.evaluate import MLXEvaluator, evaluate as mlx_evaluate
+
+        mlx_engine = MLXEvaluator(ref, chunk=CHUNK, graph="auto")
+        return lambda policies, task, on_chunk: mlx_evaluate(mlx_engine, policies, task, None, on_chunk=on_chunk)
+    raise UserError(f"--calibrate-quality measures the llamacpp, torch or mlx backend, not {backend}; "
+                    "add --backend llamacpp, --backend torch or --backend mlx")
 
 
 def _numbers(d) -> dict:

@@ -9,6 +9,7 @@ once and a fresh session (cache) per policy:
   ``chunk``-token forwards, then greedy decoding, exact match."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Sequence
 
@@ -27,36 +28,58 @@ from localctx.kvcache.policy import KVPolicy
 
 
 class MLXEvaluator:
-    """Loads one GGUF or safetensors folder once; a fresh session (cache) per policy."""
+    """Loads one GGUF or safetensors folder once; a fresh session (cache) per policy.
 
-    def __init__(self, ref: ModelRef, chunk: int = 128):
+    ``graph``: "page" runs every policy on localctx's own page (llama.py, gemma3.py), as ``localctx
+    eval`` does; "auto" runs each on the graph ``localctx run`` takes for it (``zoo.graph_for``: mlx-lm's
+    model with localctx's policy cache where it can), loading mlx-lm's model once when first needed."""
+
+    def __init__(self, ref: ModelRef, chunk: int = 128, graph: str = "page"):
         from localctx.backends.mlx.backend import MLXBackend
-        from localctx.backends.mlx.loading import load_folder, load_gguf
         from localctx.backends.mlx.tokenizer import folder_tokenizer, gguf_tokenizer
-        from localctx.backends.models.spec_reader import read_spec
+        from localctx.backends.models.spec_reader import read_gguf, read_spec
 
         if ref.kind not in ("gguf", "hf"):
             raise UserError(f"--backend mlx evaluates GGUF files and safetensors folders, not {ref.kind!r} models")
-        self.ref, self.spec, self.chunk = ref, read_spec(ref), chunk
+        self.ref, self.spec, self.chunk, self.graph = ref, read_spec(ref), chunk, graph
         self.backend = MLXBackend()
+        self.backend.check_model(self.spec)
+        self.models: dict[str, object] = {}  # graph → the model, loaded when first asked for
         if ref.kind == "gguf":
-            self.loaded, meta = load_gguf(ref.path)
-            self.tokenizer = gguf_tokenizer(ref.path, meta)
+            self.tokenizer = gguf_tokenizer(ref.path, read_gguf(ref.path))
         else:
-            self.loaded, cfg = load_folder(ref.path)
-            self.tokenizer = folder_tokenizer(ref.path, cfg)
+            self.tokenizer = folder_tokenizer(ref.path, json.loads((ref.path / "config.json").read_text()))
 
     def refuse(self, policy: KVPolicy) -> None:
         reasons = self.backend.refusals(policy, self.spec)
         if reasons:
             raise UserError(f"mlx cannot run --kv {policy}: {reasons[0]}")
 
-    def session(self, policy: KVPolicy, context: int, chunk: int | None = None):
-        """A fresh session holding ``context`` tokens, prefilling ``chunk`` (default: the evaluator's) at a time."""
+    def graph_of(self, policy: KVPolicy) -> str:
+        from localctx.backends.mlx import zoo
+
+        return zoo.graph_for(self.spec, policy, self.graph)
+
+    def _model(self, graph: str):
+        if graph not in self.models:
+            from localctx.backends.mlx import loading, zoo
+
+            if graph == "page":
+                load = loading.load_gguf if self.ref.kind == "gguf" else loading.load_folder
+                self.models[graph] = load(self.ref.path)[0]
+            else:
+                load = zoo.load_gguf if self.ref.kind == "gguf" else zoo.load_folder
+                self.models[graph] = load(self.ref.path, self.spec.architecture)
+        return self.models[graph]
+
+    def session(self, policy: KVPolicy, context: int, chunk: int | None = None, graph: str | None = None):
+        """A fresh session holding ``context`` tokens, prefilling ``chunk`` (default: the evaluator's) at a
+        time, on ``graph`` (default: ``graph_of(policy)``)."""
         from localctx.backends.mlx.session import MLXSession, SessionOptions
 
         self.refuse(policy)
-        return MLXSession(self.loaded, self.tokenizer, self.spec, Plan.fixed("mlx", self.spec, policy, context),
+        model = self._model(graph or self.graph_of(policy))
+        return MLXSession(model, self.tokenizer, self.spec, Plan.fixed("mlx", self.spec, policy, context),
                           SessionOptions(prefill_chunk=chunk or self.chunk))
 
     def decode(self, ids: list[int]) -> str:
@@ -125,7 +148,10 @@ def evaluate(evaluator: MLXEvaluator, policies: Sequence[KVPolicy], ppl: Perplex
     reports = [PolicyReport(str(policy), policy.exact) for policy in ordered]
     if ppl:
         ids = text_tokens(evaluator.tokenizer, ppl.n_tokens)
-        sessions = [evaluator.session(policy, len(ids), ppl.chunk) for policy in ordered]
+        graphs = [evaluator.graph_of(policy) for policy in ordered]
+        if baseline and len(ordered) > 1:  # the reference runs on the graph of the policies it is compared with
+            graphs[0] = graphs[1]
+        sessions = [evaluator.session(policy, len(ids), ppl.chunk, graph) for policy, graph in zip(ordered, graphs)]
         results = evaluator.lockstep(sessions, ids, ppl, reference=baseline, on_chunk=on_chunk)
         for report, (result, div) in zip(reports, results):
             report.perplexity, report.divergence = result, div

@@ -68,6 +68,7 @@ class PolicyKVCache(LayerCache):
         dequantized, the chunk's own last and in order, for a model that attends on its own: MLX is
         lazy, so where ``attend`` runs instead they are never computed."""
         dtype = keys.dtype
+        self.held = None  # no view of the buffers may live across the write (full_rows.py)
         self._append(keys[0], values[0])
         self.held = HeldKV(self.store, self.k_full, self.v_full, self.fmt)
         self._age_and_evict()

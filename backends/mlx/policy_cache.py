@@ -31,12 +31,16 @@ import mlx.core as mx
 import numpy as np
 
 from localctx.backends.mlx.chunk_attention import chunk_attention, view_attention
+from localctx.backends.mlx.full_rows import FullRows
 from localctx.kernels_metal.decode_attention import DecodeParams, QuantizedKV, decode_attention, dense_keys_values
 from localctx.kernels_metal.quant import QuantFormat
 from localctx.kernels_metal.quant_append import QuantStore, quantize_append
 from localctx.kernels_metal.rope import rope_at
 from localctx.kvcache import chunk_view, eviction
 from localctx.kvcache.policy import KVPolicy, layer_policy, uniform_bits
+
+
+FULL_STEP = 256  # rows a plain full-precision cache grows by (mlx-lm's KVCache.step)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,11 @@ class LayerCache:
         self.heavy_units = eviction.heavy_units(policy)
         self.head = eviction.head_groups(policy)  # groups at the start of the main stream kept full precision
         self.track_mass = bool(self.heavy_units) and policy.window is not None
+        # full-precision rows grow by this many at a time (full_rows.py): a plain cache by mlx-lm's
+        # KVCache step, one that quantizes by a group (its full part stays that small), and one that
+        # evicts full-precision tokens every step exactly (it copies what stays each step anyway)
+        evicts_full = (policy.evicts or self.window_kept) and not self.quantizes
+        self.full_step = 1 if evicts_full else self.fmt.group_size if self.quantizes else FULL_STEP
         self.reset()
 
     def reset(self) -> None:
@@ -69,8 +78,7 @@ class LayerCache:
         self.store = self.empty_store()
         self.q_ids = np.zeros(0, dtype=np.int64)
         self.q_mass = np.zeros(0, dtype=np.float32)
-        self.k_full = mx.zeros((s.n_kv_heads, 0, s.head_dim), s.full_dtype)
-        self.v_full = mx.zeros((s.n_kv_heads, 0, s.head_dim), s.full_dtype)
+        self.full = FullRows.empty(s.n_kv_heads, s.head_dim, s.full_dtype)
         self.f_ids = np.zeros(0, dtype=np.int64)
         self.f_mass = np.zeros(0, dtype=np.float32)
         self.n_seen = 0
@@ -95,9 +103,22 @@ class LayerCache:
     def n_kept(self) -> int:
         return len(self.q_ids) + len(self.f_ids)
 
+    @property
+    def k_full(self) -> mx.array:
+        """(Hkv, Nf, D) the held full-precision keys (a view of the buffer: not to keep past a step)."""
+        return self.full.keys()
+
+    @property
+    def v_full(self) -> mx.array:
+        return self.full.values()
+
     def nbytes(self) -> int:
-        full = self.k_full.nbytes + self.v_full.nbytes
-        return full + (self.store.nbytes() if self.store.n_tokens else 0)
+        """Bytes of what is held: ``kvcache.cost.kv_bytes``."""
+        return self.full.nbytes() + (self.store.nbytes() if self.store.n_tokens else 0)
+
+    def allocated_bytes(self) -> int:
+        """Bytes allocated: ``nbytes`` plus the full-precision buffers' spare rows (full_rows.py)."""
+        return self.full.allocated() + (self.store.nbytes() if self.store.n_tokens else 0)
 
     def kept_ids(self) -> np.ndarray:
         return np.sort(np.concatenate([self.q_ids, self.f_ids]))
@@ -142,8 +163,8 @@ class LayerCache:
 
     def _append(self, k: mx.array, v: mx.array) -> None:
         length = k.shape[1]
-        self.k_full = mx.concatenate([self.k_full, k.astype(self.shape.full_dtype)], axis=1)
-        self.v_full = mx.concatenate([self.v_full, v.astype(self.shape.full_dtype)], axis=1)
+        dtype = self.shape.full_dtype
+        self.full = self.full.append(k.astype(dtype), v.astype(dtype), self.full_step)
         self.f_ids = np.concatenate([self.f_ids, np.arange(self.n_seen, self.n_seen + length)])
         self.f_mass = np.concatenate([self.f_mass, np.zeros(length, dtype=np.float32)])
         self.n_seen += length
@@ -213,14 +234,14 @@ class LayerCache:
 
     # -- undoing a step (a forward that raised part way through the layers) ------------------
     def snapshot(self) -> tuple:
-        """The whole state. Every update rebinds these attributes to new arrays (MLX arrays and
-        the numpy index/mass arrays are never written in place), so holding them is a copy."""
-        return (self.store, self.q_ids, self.q_mass, self.k_full, self.v_full, self.f_ids, self.f_mass,
-                self.n_seen)
+        """The whole state. Every update rebinds these attributes to new objects (the store and the
+        numpy index/mass arrays are never written in place; the full-precision rows are written in
+        place only after the rows a ``FullRows`` holds: full_rows.py), so holding them is a copy."""
+        return (self.store, self.q_ids, self.q_mass, self.full, self.f_ids, self.f_mass, self.n_seen)
 
     def restore(self, state: tuple) -> None:
-        (self.store, self.q_ids, self.q_mass, self.k_full, self.v_full, self.f_ids, self.f_mass,
-         self.n_seen) = state
+        self.store, self.q_ids, self.q_mass, full, self.f_ids, self.f_mass, self.n_seen = state
+        self.full = full.restored()
 
     # -- rolling back to a prefix (a chat turn that rewrites the last answer) ------------
     def can_truncate(self, n: int) -> bool:
@@ -244,8 +265,7 @@ class LayerCache:
     def _keep_full(self, keep: np.ndarray) -> None:
         if len(keep) == len(self.f_ids):
             return
-        idx = mx.array(keep.astype(np.int32))
-        self.k_full, self.v_full = self.k_full[:, idx], self.v_full[:, idx]
+        self.full = self.full.taken(mx.array(keep.astype(np.int32)))
         self.f_ids, self.f_mass = self.f_ids[keep], self.f_mass[keep]
 
     # -- quantization as tokens age (rule 2) ---------------------------------------------
@@ -262,7 +282,7 @@ class LayerCache:
             return
         take = main[:n]
         idx = mx.array(take.astype(np.int32))
-        self.store = self._store_append(self.k_full[:, idx], self.v_full[:, idx])
+        self.store = self._store_append(self.full.k[:, idx], self.full.v[:, idx])
         self.q_ids = np.concatenate([self.q_ids, self.f_ids[take]])
         self.q_mass = np.concatenate([self.q_mass, self.f_mass[take]])
         self._keep_full(np.setdiff1d(np.arange(len(self.f_ids)), take))
@@ -339,6 +359,9 @@ class ModelCache:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 
+    def allocated_bytes(self) -> int:
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
     def snapshot(self) -> list[tuple]:
         return [layer.snapshot() for layer in self.layers]
 
@@ -357,7 +380,7 @@ class ModelCache:
 
     def arrays(self) -> list[mx.array]:
         """Every array the caches hold (to evaluate them with the step's logits)."""
-        return [a for layer in self.layers for a in (layer.k_full, layer.v_full, *layer.store.arrays())]
+        return [a for layer in self.layers for a in (layer.full.k, layer.full.v, *layer.store.arrays())]
 
     def probe(self) -> tuple[int, int, int]:
         """(kv bytes, tokens held, tokens evicted) for backends.streaming.KVProbe."""

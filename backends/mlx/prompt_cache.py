@@ -13,6 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from localctx.backends.mlx.full_rows import FullRows
 from localctx.backends.mlx.policy_cache import LayerCache, ModelCache
 from localctx.kernels_metal.quant_append import QuantStore
 from localctx.kvcache.prompt_cache import CacheScope, Hit, PromptCache
@@ -92,5 +93,5 @@ def load(cache: ModelCache, hit: Hit) -> None:
             raise ValueError(f"layer {i} of the file does not have this cache's shape")
         q_mass = np.array(t[f"{i}.q_mass"]) if layer.track_mass else np.zeros(n_q, dtype=np.float32)
         f_mass = np.array(t[f"{i}.f_mass"]) if layer.track_mass else np.zeros(n_f, dtype=np.float32)
-        states.append((st, q_ids, q_mass, k_full, v_full, f_ids, f_mass, n_seen))
+        states.append((st, q_ids, q_mass, FullRows.of(k_full, v_full), f_ids, f_mass, n_seen))
     cache.restore(states)

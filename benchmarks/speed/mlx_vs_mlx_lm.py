@@ -6,7 +6,8 @@ and interleaved run by run (both see the same machine load):
 The model is the GGUF converted for mlx-lm (backends/mlx/gguf_convert.py; default: the bundled
 SmolLM2-135M re-quantized to Q4_K_M with llama.cpp's quantizer into a temporary folder). localctx's
 side is the session `localctx run` drives (graph mlx-lm, KV policies fp16 / int8 / int4, every answer
-max tokens long); its decode tok/s is the figure `run --json` reports. Both sides run the same model
+max tokens long); its decode tok/s is the figure `run --json` reports, its KV bytes both what it holds
+(``kvcache.cost.kv_bytes``) and what its buffers allocate (with the spare rows: backends/mlx/full_rows.py). Both sides run the same model
 object's weights as the backend loads them (off Metal: quantized layers expanded to float32,
 ``LoadOptions.dequantize``). mlx-lm's side is
 ``mlx_lm.generate.generate_step`` (the loop inside ``mlx_lm.generate``) with the same KV settings:
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = sessions["fp16"].tokenizer.encode(prompt)
         load_before = os.getloadavg()
         runs = {kv: {"localctx": [], "mlx_lm": []} for kv in SETTINGS}
+        load_during = []
         for rep in range(args.reps):
             for kv, bits in SETTINGS.items():
                 pair = [("localctx", lambda: localctx_run(sessions[kv], prompt, args.decode)),
@@ -100,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                 for side, run in (pair if rep % 2 == 0 else pair[::-1]):
                     runs[kv][side].append(run())
                     print(f"rep {rep} {kv} {side}: {runs[kv][side][-1]:.2f} decode tok/s", file=sys.stderr, flush=True)
+            load_during.append(os.getloadavg()[0])
         given = sys.argv[1:] if argv is None else argv
         out = {"command": " ".join(["python benchmarks/speed/mlx_vs_mlx_lm.py", *given]),
                "model": path.name, "converted": str(folder.name), "prompt_tokens": len(ids), "decode_tokens": args.decode,
                "reps": args.reps, "host": platform.platform(), "cpu_count": os.cpu_count(),
                "metal": mx.metal.is_available(), "mlx": mx.__version__, "loadavg_before": load_before,
-               "loadavg_after": os.getloadavg(), "results": {}}
+               "loadavg_after": os.getloadavg(), "loadavg_1min_after_each_rep": load_during, "results": {}}
         import mlx_lm
 
         out["mlx_lm"] = mlx_lm.__version__
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             ours, theirs = statistics.median(r["localctx"]), statistics.median(r["mlx_lm"])
             out["results"][kv] = {"localctx_decode_tok_s": round(ours, 2), "mlx_lm_decode_tok_s": round(theirs, 2),
                                   "ratio": round(ours / theirs, 3), "runs": r,
-                                  "kv_bytes": sessions[kv].cache.nbytes()}
+                                  "kv_bytes": sessions[kv].cache.nbytes(),  # held: cost.kv_bytes
+                                  "kv_bytes_allocated": sessions[kv].cache.allocated_bytes()}  # with spare rows
     print(json.dumps(out, indent=1))
     return 0
 

@@ -5,6 +5,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip install 'mlx[cpu]' on Linux)")
 
+from localctx.backends.mlx.full_rows import FullRows  # noqa: E402
 from localctx.kernels_metal.quant_append import QuantStore  # noqa: E402
 from test_mlx_backend import tiny_session, tiny_folder  # noqa: E402,F401  (tiny_folder is a fixture)
 
@@ -16,7 +17,10 @@ class InjectedFailure(RuntimeError):
 def layer_state(layer) -> list:
     out = []
     for part in layer.snapshot():
-        arrays = part.arrays() if isinstance(part, QuantStore) else [part]
+        if isinstance(part, FullRows):  # the held rows (the buffers' spare rows are no state)
+            arrays = [part.keys(), part.values()]
+        else:
+            arrays = part.arrays() if isinstance(part, QuantStore) else [part]
         out += [np.array(a) if isinstance(a, (mx.array, np.ndarray)) else a for a in arrays]
     return out
 
