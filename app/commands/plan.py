@@ -17,6 +17,7 @@ from localctx.backends.machine.planner_inputs import calibrate_and_save, choose_
 from localctx.kvcache import known_models, reuse_projection
 from localctx.kvcache.cost import format_bytes, full_bytes_per_token
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.kld_quality import CALIBRATED_BACKENDS
 from localctx.kvcache.planner import NoPlanFits, budget
 from localctx.kvcache.projection import projection_contexts, projections
 from localctx.kvcache.prompt_cache import CHUNK
@@ -144,7 +145,7 @@ def _calibrate_quality(req: SessionRequest) -> None:
 
     if req.hardware:
         raise UserError("--calibrate-quality measures the model on this machine; drop --hardware")
-    if req.backend not in ("llamacpp", "torch", "mlx"):
+    if req.backend not in CALIBRATED_BACKENDS:
         raise UserError(f"--calibrate-quality needs --backend llamacpp, torch or mlx (got {req.backend}): "
                         "each backend's cache loses differently, so each is calibrated apart")
     ref, spec = resolve_model(req)
