@@ -48,12 +48,28 @@ def write_sequences(ctx, states: dict[int, ctypes.Array]) -> None:
 def grow_context(llm, n_ctx: int) -> None:
     """Moves ``llm`` (a llama_cpp.Llama) to a new context of ``n_ctx`` cells on the same weights, with
     sequence 0's cells and the token history carried over; the old context is freed."""
+    n_tokens = int(llm.n_tokens)
+    states = read_sequences(llm._ctx.ctx, [0]) if n_tokens else {}
+    llm.context_params.n_ctx = n_ctx
+    _replace_context(llm, n_tokens, states)
+
+
+def reopen_with_flash_attention(llm) -> None:
+    """A new, empty context of the same size on the same weights with flash attention on. Its V cells
+    are laid out otherwise (not transposed), so nothing moves: the caller has dropped what was cached."""
+    import llama_cpp
+
+    if int(llm.n_tokens):
+        raise RuntimeError("a context is reopened with flash attention only when it holds no tokens")
+    llm.context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    _replace_context(llm, 0, {})
+
+
+def _replace_context(llm, n_tokens: int, states: dict[int, ctypes.Array]) -> None:
+    """Opens a context with ``llm.context_params``, frees the old one, and writes ``states`` into it."""
     from llama_cpp import _internals
 
     old = llm._ctx
-    n_tokens = int(llm.n_tokens)
-    states = read_sequences(old.ctx, [0]) if n_tokens else {}
-    llm.context_params.n_ctx = n_ctx
     new = _internals.LlamaContext(model=llm._model, params=llm.context_params, verbose=False)
     old.close()  # free the old cells before the copy lands: peak memory is the new context plus the state
     llm._ctx = new

@@ -203,6 +203,20 @@ class LlamaCppSession(Session):
         grow.grow_context(self.llm, n)
         self.plan.grow_to(n, self.allocated_bytes(n))
 
+    def _flash_attention_for_drafts(self) -> None:
+        """Prompt lookup's verify batches are exact only with flash attention (speculate.exact_rows). A
+        session opened without it (fp16: shift.flash_attn_for) reopens its context with it at its first
+        answer that drafts, and keeps it. No cells move between the two V layouts, so what was cached is
+        read again (a run's or chat's first answer has nothing cached). A windowed session keeps its
+        context and drafts nothing (its context shift holds the stream)."""
+        if self.settings.flash_attn or self._shift is not None:
+            return
+        self.reset()
+        grow.reopen_with_flash_attention(self.llm)
+        self.settings = dataclasses.replace(self.settings, flash_attn=True)
+        n = int(self.llm.n_ctx())
+        self.plan.grow_to(n, self.allocated_bytes(n))
+
     def reset(self) -> None:
         self.llm.reset()
         self.llm._ctx.kv_cache_clear()
@@ -275,9 +289,10 @@ class LlamaCppSession(Session):
     def enable_prompt_cache(self, model_path: Path) -> str | None:
         if self._shift:
             return "a windowed llama.cpp session (context shift) keeps no prompt cache on disk"
-        s, policy = self.settings, str(self.plan.policy)
-        self.prompt_cache = PromptCache(lambda: llama_prompt_cache.scope(
-            prompt_cache.model_hash(model_path), policy, s.type_k, s.type_v, s.flash_attn))
+        policy = str(self.plan.policy)
+        self.prompt_cache = PromptCache(lambda: llama_prompt_cache.scope(  # the settings of the moment it is used
+            prompt_cache.model_hash(model_path), policy, self.settings.type_k, self.settings.type_v,
+            self.settings.flash_attn))
         return None
 
     def _disk_prefix(self, prompt_ids: list[int], clock: StatsClock) -> None:
@@ -367,6 +382,8 @@ class LlamaCppSession(Session):
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True,
                                         constrained=params.constraint is not None)
+        if speculate == "ngram":
+            self._flash_attention_for_drafts()
         self.fit(len(ids) + params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),

@@ -97,17 +97,17 @@ def refusals(policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
     return out
 
 
-def flash_attn_for(policy: KVPolicy, cal: Calibration | None) -> bool:
-    """Quantized V needs flash attention, and quantized K runs with it as calibrated. For fp16: what
-    ``localctx plan --calibrate`` measured faster on this machine where it ran; else on, because only
-    with flash attention does a verify batch give one-token decoding's logits bit for bit (prompt
-    lookup then keeps plain decoding's text: speculate.exact_rows). Its cost to plain decoding
-    differs by model (docs/benchmarks-reuse.md: 1.03× at 128 cached tokens to 0.81× at 2,048 on
-    SmolLM2-135M, faster on Gemma 3 270M)."""
-    if policy.quantized:
+def flash_attn_for(policy: KVPolicy, cal: Calibration | None, drafts: bool = False) -> bool:
+    """Quantized V needs flash attention, and quantized K runs with it. For fp16: on for a session that
+    verifies prompt lookup's drafts (``drafts``: only with flash attention does a verify batch give
+    one-token decoding's logits bit for bit, speculate.exact_rows); otherwise what ``localctx plan
+    --calibrate`` measured faster on this machine, and off where it has not run, as llama-cpp-python
+    opens a context. Off, a prompt that reuses a cached prefix answers as a cold run does on every CPU
+    tried; with flash attention on an AVX-512 host it did not (tests/backends/llamacpp/test_reuse_llamacpp.py)."""
+    if policy.quantized or drafts:
         return True
     fc = cal.cost("fp16") if cal is not None else None
-    return bool(fc.settings.get("flash_attn", True)) if fc is not None else True
+    return bool(fc.settings.get("flash_attn", False)) if fc is not None else False
 
 
 def local_calibration() -> Calibration | None:

@@ -1,6 +1,7 @@
 """Prompt lookup on llama.cpp keeps plain decoding's text: the exact_rows probe finds how many rows a
 verify batch may have and still give one-token decoding's logits bit for bit, the session never
-drafts past it, and without flash attention it does not draft at all."""
+drafts past it, and a session opened without flash attention turns it on for its first drafting answer
+(without it no verify batch is exact)."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,9 @@ def verify_lengths(monkeypatch) -> list[int]:
 
 def test_the_probe_finds_rows_that_match_one_token_steps_and_leaves_the_session_cache_alone():
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
+        list(s.generate(COPY, GenerationParams(max_tokens=1, speculate="ngram")))  # turns flash attention on
         assert s.settings.flash_attn
+        s.reset()
         s.llm.eval(s.tokenize(COPY))
         n = int(s.llm.n_tokens)
         verifier = LlamaCppVerifier(s.llm, 512, None)
@@ -65,6 +68,8 @@ def test_drafts_never_exceed_the_probed_rows_and_the_stats_say_how_many(monkeypa
     monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.48 * (n_tokens - 1))
     seen = verify_lengths(monkeypatch)
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
+        list(s.generate(COPY, GenerationParams(max_tokens=1, speculate="ngram")))  # flash attention on, as drafts need
+        s.reset()
         plain = [e.token for e in s.generate(COPY, GenerationParams(max_tokens=40, speculate="off")) if e.kind == "token"]
         s.reset()
         s.exact_rows = 3  # as if the probe had found 3
@@ -75,23 +80,26 @@ def test_drafts_never_exceed_the_probed_rows_and_the_stats_say_how_many(monkeypa
     assert [e.token for e in events if e.kind == "token"] == plain
 
 
-def test_without_flash_attention_prompt_lookup_drafts_nothing(monkeypatch):
+def test_a_session_without_flash_attention_turns_it_on_for_its_first_drafting_answer(monkeypatch):
+    from localctx.backends.generation.draft_policy import StepCost
+
     off = Calibration(backend="llamacpp", hardware_key="x", model="m", weight_bytes=1, bandwidth_bytes_s=1,
                       formats={"fp16": FormatCost(0.01, 1e-10, settings={"flash_attn": False})})
-    monkeypatch.setattr(shift, "local_calibration", lambda: off)  # fp16 measured faster without it
-    seen = verify_lengths(monkeypatch)
-
-    def not_probed(llm, max_rows=0):
-        raise AssertionError("without flash attention no verify batch is exact: nothing to probe")
-
-    monkeypatch.setattr(speculate, "exact_rows", not_probed)
+    monkeypatch.setattr(shift, "local_calibration", lambda: off)  # fp16 measured faster without it here
+    monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.48 * (n_tokens - 1))  # as above
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
         assert not s.settings.flash_attn
-        events = list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="ngram")))
-        assert s.exact_rows == 1
-    stats = events[-1].stats
-    assert stats.speculate == "ngram" and stats.drafted_tokens == 0 and stats.verify_exact_rows == 1
-    assert set(seen) == {1}
+        allocated = s.plan.allocated_context
+        list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="off")))
+        assert not s.settings.flash_attn  # plain answers keep the calibrated choice
+        drafted = list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="ngram")))
+        assert s.settings.flash_attn and int(s.llm.n_ctx()) == allocated == s.plan.allocated_context
+        assert drafted[-1].stats.cached_tokens == 0  # the cells could not move: the prompt was read again
+        s.reset()
+        plain = list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="off")))
+    stats = drafted[-1].stats
+    assert stats.speculate == "ngram" and stats.verify_exact_rows >= 2 and stats.accepted_tokens > 0
+    assert [e.token for e in drafted if e.kind == "token"] == [e.token for e in plain if e.kind == "token"]
 
 
 @pytest.mark.slow
@@ -109,6 +117,7 @@ def test_prompt_lookup_on_gemma3_keeps_plain_decodings_text(gemma3_path, monkeyp
                [{"role": "user", "content": "Explain how ocean tides work, in a few sentences."}]]
     accepted = 0
     with open_session(SessionRequest(model=str(gemma3_path), backend="llamacpp", kv="fp16", context=1024)) as s:
+        list(s.generate(prompts[1], GenerationParams(max_tokens=1, speculate="ngram")))  # flash attention on
         for prompt in prompts:
             s.reset()
             plain = [e.token for e in s.generate(prompt, GenerationParams(max_tokens=40, speculate="off"))

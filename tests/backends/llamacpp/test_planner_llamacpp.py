@@ -24,10 +24,13 @@ def calibration(fp16_flash_attn: bool) -> Calibration:
 
 def test_exact_plans_map_to_n_ctx_and_llama_cpp_kv_types():
     s = shift.settings_for(plan_for("fp16", 8192))
-    # uncalibrated fp16 runs with flash attention: prompt lookup's verify is exact only with it (speculate.exact_rows)
-    assert (s.n_ctx, s.type_k, s.type_v, s.flash_attn, s.window) == (8192, "f16", "f16", True, None)
-    assert shift.settings_for(plan_for("fp16"), calibration(True)).flash_attn
-    assert not shift.settings_for(plan_for("fp16"), calibration(False)).flash_attn  # measured slower here: off
+    # uncalibrated fp16 opens as llama-cpp-python does, without flash attention
+    assert (s.n_ctx, s.type_k, s.type_v, s.flash_attn, s.window) == (8192, "f16", "f16", False, None)
+    assert shift.settings_for(plan_for("fp16"), calibration(True)).flash_attn  # measured faster here: on
+    assert not shift.settings_for(plan_for("fp16"), calibration(False)).flash_attn
+    # a session that verifies drafts needs it, calibrated or not (speculate.exact_rows)
+    fp16 = plan_for("fp16").policy
+    assert shift.flash_attn_for(fp16, None, drafts=True) and shift.flash_attn_for(fp16, calibration(False), drafts=True)
     q8 = shift.settings_for(plan_for("int8", 4096), calibration(False))
     assert (q8.n_ctx, q8.type_k, q8.type_v, q8.flash_attn) == (4096, "q8_0", "q8_0", True)  # quantized V needs FA
     assert shift.settings_for(plan_for("int4")).type_v == "q4_0"
