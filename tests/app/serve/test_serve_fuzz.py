@@ -167,7 +167,7 @@ def test_a_neighbour_finishes_intact_beside_requests_that_fail(served, monkeypat
         # llama.cpp rounds a step of two sequences otherwise than a step of one on some CPUs (seen on an
         # AVX-512 host), so past the point where the other stream joined the greedy text may part from
         # the answer it gives alone; up to there it is that answer
-        assert reference.startswith(text[0]) and "".join(text)[:len(text[0])] == reference[:len(text[0])]
+        assert reference.startswith(text[0])
     wait_free(scheduler)
 
 
