@@ -54,14 +54,15 @@ def grow_context(llm, n_ctx: int) -> None:
     _replace_context(llm, n_tokens, states)
 
 
-def reopen_with_flash_attention(llm) -> None:
-    """A new, empty context of the same size on the same weights with flash attention on. Its V cells
-    are laid out otherwise (not transposed), so nothing moves: the caller has dropped what was cached."""
+def reopen(llm, flash_attn: bool) -> None:
+    """A new, empty context of the same size on the same weights with flash attention on or off. Its V
+    cells are laid out otherwise (transposed without it), so nothing moves: it holds no tokens yet."""
     import llama_cpp
 
     if int(llm.n_tokens):
-        raise RuntimeError("a context is reopened with flash attention only when it holds no tokens")
-    llm.context_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        raise RuntimeError("a context is reopened with other flash attention only when it holds no tokens")
+    llm.context_params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                          else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     _replace_context(llm, 0, {})
 
 

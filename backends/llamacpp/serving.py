@@ -78,7 +78,7 @@ class LlamaSlots(SlotStreams):
         lanes, app/serve/lanes.py): a context of its own on the same weights, with its K and V types."""
         self.cache_reuse = cache_reuse
         self.plan = plan or session.plan
-        self.settings = shift.settings_for(self.plan, shift.local_calibration())
+        self.settings = shift.settings_for(self.plan, shift.local_calibration(), bool(session.reuse_exact))
         most = self.plan.context // n_slots // CONTEXT_PAD * CONTEXT_PAD
         if most < CONTEXT_PAD:
             raise UserError(f"--context {self.plan.context:,} split over --parallel {n_slots} leaves less than "

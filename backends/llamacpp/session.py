@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from localctx.backends.generation import speculation
-from localctx.backends.llamacpp import cache_reuse, grow, shift
+from localctx.backends.llamacpp import cache_reuse, grow, reuse_probe, shift
 from localctx.backends.llamacpp import prompt_cache as llama_prompt_cache
 from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
@@ -126,16 +126,22 @@ class LlamaCppSession(Session):
         self.backend_name = "llamacpp"
         policy = plan.policy
         cal = shift.local_calibration()
-        self.settings = shift.settings_for(plan, cal)
-        self.verify_cost = cal.verify_step_cost if cal is not None else {}  # prompt lookup's prior
-        type_k, type_v = self.settings.type_ids()
         if plan.context > self.spec.context_length and not policy.evicts:
             raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
                             f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
+        n_threads = threads or default_threads()
+        # fp16 takes flash attention where it keeps a reused prefix exact here (reuse_probe.py): remembered
+        # per model, CPU and build, else probed on the loaded weights below
+        self.settings = shift.settings_for(plan, cal)
+        type_k, type_v = self.settings.type_ids()
+        probe_key = (None if policy.quantized else
+                     reuse_probe.cache_key(ref.path, type_k, type_v, self.settings.swa_full, n_threads))
+        self.reuse_exact = reuse_probe.cached(probe_key) if probe_key else None
+        self.settings = shift.settings_for(plan, cal, bool(self.reuse_exact))
+        self.verify_cost = cal.verify_step_cost if cal is not None else {}  # prompt lookup's prior
         log: list[str] = []
         try:
             with quiet_stderr(log):
-                n_threads = threads or default_threads()
                 # the plan's allocation (a context that grows, grow.py), or a fixed one a server's slots share
                 self._fixed_context = own_context is not None or policy.evicts
                 n_ctx = own_context or min(self.settings.n_ctx, plan.allocated_context)
@@ -149,6 +155,10 @@ class LlamaCppSession(Session):
             set_llama_log(False)
             raise UserError(f"llama.cpp cannot load {ref.path.name} ({load_failure_reason(log)}); use a GGUF of an "
                             "architecture this llama-cpp-python supports, or update it") from None
+        if probe_key and self.reuse_exact is None:
+            self.reuse_exact = reuse_probe.reuse_exact_with_flash_attention(self.llm)
+            reuse_probe.remember(probe_key, self.reuse_exact)
+            self._set_flash_attention(shift.flash_attn_for(policy, cal, self.reuse_exact))
         t0 = time.perf_counter()
         source = self.llm.metadata.get("tokenizer.chat_template")
         self.template = ChatTemplate(gguf_template_source(source), bos_token=self._piece(self.llm.token_bos()),
@@ -159,7 +169,7 @@ class LlamaCppSession(Session):
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
         self._chunks: cache_reuse.ChunkReuse | None = None  # opt-in: enable_cache_reuse()
         # rows a verify batch may have and match one-token decoding bit for bit (speculate.exact_rows),
-        # measured at the first answer with prompt lookup (1 without flash attention: no drafts)
+        # measured at the first answer with prompt lookup (1: no drafts)
         self.exact_rows: int | None = None
 
     # -- prompts ---------------------------------------------------------------
@@ -203,19 +213,15 @@ class LlamaCppSession(Session):
         grow.grow_context(self.llm, n)
         self.plan.grow_to(n, self.allocated_bytes(n))
 
-    def _flash_attention_for_drafts(self) -> None:
-        """Prompt lookup's verify batches are exact only with flash attention (speculate.exact_rows). A
-        session opened without it (fp16: shift.flash_attn_for) reopens its context with it at its first
-        answer that drafts, and keeps it. No cells move between the two V layouts, so what was cached is
-        read again (a run's or chat's first answer has nothing cached). A windowed session keeps its
-        context and drafts nothing (its context shift holds the stream)."""
-        if self.settings.flash_attn or self._shift is not None:
+    def _set_flash_attention(self, on: bool) -> None:
+        """The still-empty context reopened with flash attention ``on`` where it was opened otherwise."""
+        if on == self.settings.flash_attn:
             return
-        self.reset()
-        grow.reopen_with_flash_attention(self.llm)
-        self.settings = dataclasses.replace(self.settings, flash_attn=True)
-        n = int(self.llm.n_ctx())
-        self.plan.grow_to(n, self.allocated_bytes(n))
+        grow.reopen(self.llm, on)
+        self.settings = dataclasses.replace(self.settings, flash_attn=on)
+        if not self._fixed_context:  # its allocation is the plan's (a server's slots record their own)
+            n = int(self.llm.n_ctx())
+            self.plan.grow_to(n, self.allocated_bytes(n))
 
     def reset(self) -> None:
         self.llm.reset()
@@ -363,8 +369,8 @@ class LlamaCppSession(Session):
         # a verify batch stays inside the context allocated now (fit() made room for the prompt and answer)
         verifier = LlamaCppVerifier(self.llm, min(self.plan.context, int(self.llm.n_ctx())), self._shift)
         try:
-            if self.exact_rows is None:  # without flash attention batches are not exact (speculate.py): no drafts
-                self.exact_rows = exact_rows(self.llm) if self.settings.flash_attn else 1
+            if self.exact_rows is None:
+                self.exact_rows = exact_rows(self.llm)
             rows = clock.verify_exact_rows = self.exact_rows
             tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock,
                                                    max_draft=rows - 1, verify_cost=self.verify_cost)
@@ -382,8 +388,6 @@ class LlamaCppSession(Session):
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True,
                                         constrained=params.constraint is not None)
-        if speculate == "ngram":
-            self._flash_attention_for_drafts()
         self.fit(len(ids) + params.max_tokens)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),

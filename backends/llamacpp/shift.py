@@ -97,17 +97,19 @@ def refusals(policy: KVPolicy, spec: ModelSpec | None = None) -> list[str]:
     return out
 
 
-def flash_attn_for(policy: KVPolicy, cal: Calibration | None, drafts: bool = False) -> bool:
-    """Quantized V needs flash attention, and quantized K runs with it. For fp16: on for a session that
-    verifies prompt lookup's drafts (``drafts``: only with flash attention does a verify batch give
-    one-token decoding's logits bit for bit, speculate.exact_rows); otherwise what ``localctx plan
-    --calibrate`` measured faster on this machine, and off where it has not run, as llama-cpp-python
-    opens a context. Off, a prompt that reuses a cached prefix answers as a cold run does on every CPU
-    tried; with flash attention on an AVX-512 host it did not (tests/backends/llamacpp/test_reuse_llamacpp.py)."""
-    if policy.quantized or drafts:
+def flash_attn_for(policy: KVPolicy, cal: Calibration | None, reuse_exact: bool = False) -> bool:
+    """Quantized V needs flash attention, and quantized K runs with it. fp16 takes it only where a
+    reused prefix stays exact with it for this model on this machine (``reuse_exact``, reuse_probe.py;
+    unknown: off, as llama-cpp-python opens a context), and there what ``localctx plan --calibrate``
+    measured faster, or on where it has not run (llama.cpp's own default on a CPU, and the setting
+    whose verify batches are exact, so prompt lookup drafts: speculate.exact_rows). A session that
+    drafts takes the same setting as one that does not, so both answer with the same text."""
+    if policy.quantized:
         return True
+    if not reuse_exact:
+        return False
     fc = cal.cost("fp16") if cal is not None else None
-    return bool(fc.settings.get("flash_attn", False)) if fc is not None else False
+    return bool(fc.settings.get("flash_attn", False)) if fc is not None else True
 
 
 def local_calibration() -> Calibration | None:
@@ -116,15 +118,17 @@ def local_calibration() -> Calibration | None:
     return calibration.load("llamacpp", cpu_class())
 
 
-def settings_for(plan: Plan, cal: Calibration | None = None) -> LlamaCppSettings:
-    return settings_for_policy(plan.policy, plan.context, cal)
+def settings_for(plan: Plan, cal: Calibration | None = None, reuse_exact: bool = False) -> LlamaCppSettings:
+    return settings_for_policy(plan.policy, plan.context, cal, reuse_exact)
 
 
-def settings_for_policy(policy: KVPolicy, context: int, cal: Calibration | None = None) -> LlamaCppSettings:
+def settings_for_policy(policy: KVPolicy, context: int, cal: Calibration | None = None,
+                        reuse_exact: bool = False) -> LlamaCppSettings:
     """n_ctx and the KV types for ``policy``; sliding layers get the compact SWA cache unless the
-    policy streams through a context shift (which a compact SWA cache cannot do)."""
+    policy streams through a context shift (which a compact SWA cache cannot do); flash attention as
+    ``flash_attn_for`` decides."""
     type_k, type_v = cache_types(policy)
-    fa = flash_attn_for(policy, cal)
+    fa = flash_attn_for(policy, cal, reuse_exact)
     if policy.evicts:
         n_ctx = policy.capacity()
         return LlamaCppSettings(n_ctx=n_ctx, type_k=type_k, type_v=type_v, flash_attn=fa, sinks=policy.sinks,

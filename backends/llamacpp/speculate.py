@@ -89,32 +89,39 @@ def probe_tokens(llm, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-class _ProbeContext:
+class ProbeContext:
     """A small llama.cpp context of its own on the session's weights, with the session's context
-    settings (KV types, flash attention, threads), so that the probe leaves the session's cache alone."""
+    settings (KV types, flash attention unless ``flash_attn`` says otherwise, threads), so that a probe
+    leaves the session's cache alone (this one; reuse_probe.py)."""
 
-    def __init__(self, llm, rows: int):
+    def __init__(self, llm, rows: int, flash_attn: bool | None = None):
         import llama_cpp
 
         self.lib = L = llama_cpp
         params = L.llama_context_params.from_buffer_copy(llm.context_params)
         params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = PROBE_CELLS, rows, rows, 1
+        if flash_attn is not None:
+            params.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                      else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self.ctx = L.llama_init_from_model(llm.model, params)
         if not self.ctx:
-            raise RuntimeFailure("llama.cpp could not open a context for the verify probe")
+            raise RuntimeFailure("llama.cpp could not open a context for a probe")
         self.batch = L.llama_batch_init(rows, 0, 1)
         self.n_vocab, self.n = llm.n_vocab(), 0
 
-    def step(self, tokens: Sequence[int]) -> np.ndarray:
+    def step(self, tokens: Sequence[int], every_row: bool = True) -> np.ndarray:
+        """Logits of every row (a verify step), or of the last only (a prefill, as a session runs one)."""
         b = self.batch
         for j, tok in enumerate(tokens):
-            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, self.n + j, 1, 1
+            b.token[j], b.pos[j], b.n_seq_id[j] = tok, self.n + j, 1
+            b.logits[j] = 1 if every_row or j == len(tokens) - 1 else 0
             b.seq_id[j][0] = 0
         b.n_tokens = len(tokens)
         if self.lib.llama_decode(self.ctx, b) != 0:
-            raise RuntimeFailure("llama.cpp could not decode the verify probe")
+            raise RuntimeFailure("llama.cpp could not decode a probe's tokens")
         self.n += len(tokens)
-        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(len(tokens), self.n_vocab)).copy()
+        rows = len(tokens) if every_row else 1
+        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(rows, self.n_vocab)).copy()
 
     def rollback(self, n: int) -> None:
         self.n -= n
@@ -131,7 +138,7 @@ def exact_rows(llm, max_rows: int = MAX_DRAFT + 1) -> int:
     too: each T from 2 up until one differs, at the start of a short fixed text and after
     ``PROBE_OFFSET`` of its tokens, in a small context of the probe's own with ``llm``'s settings
     (about 50 decode steps; the session's cache is not touched)."""
-    probe = _ProbeContext(llm, max_rows)
+    probe = ProbeContext(llm, max_rows)
     try:
         tokens = probe_tokens(llm, PROBE_OFFSET + max_rows + 1)
         reference = np.concatenate([probe.step([t]) for t in tokens])  # one-token steps

@@ -3,8 +3,9 @@ cache) in buffers written in place, as mlx-lm's KVCache keeps its keys: appendin
 one row instead of copying every held row into a new array (what concatenation did each step).
 
 ``FullRows`` holds (Hkv, capacity, D) buffers whose first ``n`` rows are the held tokens. When an
-append does not fit, the buffer grows by at least ``step`` rows (one copy of the held rows, the new
-ones and zeros after them); otherwise the rows are written with slice assignment, which MLX does
+append does not fit, the buffer grows to the next multiple of ``step`` rows that holds it (one copy of
+the held rows, the new ones and zeros after them; from empty, the capacities mlx-lm's KVCache takes);
+otherwise the rows are written with slice assignment, which MLX does
 in place when nothing else holds the old buffer — the previous step's views are gone by then, and a
 snapshot (``LayerCache.snapshot``) holds the ``FullRows`` object, whose buffer follows the write
 and whose ``n`` says what it held. Rows below a snapshot's ``n`` are never written again: a layer
@@ -12,7 +13,7 @@ that restores one stops writing in place (``owned``) until its next growth copie
 
 Bytes: ``nbytes`` is what the held rows take (what ``kvcache.cost.kv_bytes`` counts, the figure
 every report and test uses); ``allocated`` is the buffers' size, which the unused rows after
-``n`` make larger (at most ``step - 1`` rows per buffer after a growth)."""
+``n`` make larger (fewer than ``step`` rows per buffer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,15 +60,15 @@ class FullRows:
 
     def append(self, k: mx.array, v: mx.array, step: int) -> "FullRows":
         """k, v (Hkv, L, D) in the buffers' dtype: written in place where they fit (the same buffer
-        objects, so this ``FullRows`` still holds its ``n`` rows), else copied into new buffers with
-        room for ``step - 1`` more rows (``step`` 1: exactly these)."""
+        objects, so this ``FullRows`` still holds its ``n`` rows), else copied into new buffers of the
+        next multiple of ``step`` rows (``step`` 1: exactly these)."""
         length = int(k.shape[1])
         end = self.n + length
         if self.owned and end <= self.capacity:
             self.k[:, self.n:end] = k
             self.v[:, self.n:end] = v
             return FullRows(self.k, self.v, end)
-        spare = max(0, step - 1)
+        spare = -end % step if step > 1 else 0
         if spare:
             pad = mx.zeros((k.shape[0], spare, k.shape[2]), k.dtype)
             return FullRows(mx.concatenate([self.keys(), k, pad], axis=1),

@@ -1,10 +1,10 @@
 """Does `localctx run` decode as fast as plain llama-cpp-python? Decode tok/s of `localctx run`
 (llama.cpp backend, its own --json stats) beside plain llama-cpp-python on the same GGUF, same prompt,
 same threads and n_ctx 8,192, greedy, interleaved run by run, at several prompt lengths. Plain runs
-twice per round: with llama-cpp-python's default (flash attention off) and with flash attention on
-(llama.cpp's own default on a CPU, `--flash-attn auto`, and localctx's for fp16 KV unless
-`localctx plan --calibrate` measured otherwise): the first ratio is what a user moving from plain
-llama-cpp-python sees, the second what localctx itself costs over the same engine settings. Prints
+twice per round: with llama-cpp-python's default (flash attention off, as localctx opens fp16 KV
+unless `localctx plan --calibrate` measured it faster with it) and with flash attention on (llama.cpp's
+own default on a CPU, `--flash-attn auto`): the first ratio is what a user moving from plain
+llama-cpp-python sees, the second localctx beside the other engine setting. Prints
 a markdown table of medians of the per-round ratios; ``--json`` writes every run.
 
     python benchmarks/speed/run_overhead.py --runs 5 --contexts 256,4000 [-m MODEL.gguf] [--json OUT]

@@ -1,7 +1,8 @@
 """Prompt lookup on llama.cpp keeps plain decoding's text: the exact_rows probe finds how many rows a
-verify batch may have and still give one-token decoding's logits bit for bit, the session never
-drafts past it, and a session opened without flash attention turns it on for its first drafting answer
-(without it no verify batch is exact)."""
+verify batch may have and still give one-token decoding's logits bit for bit, under the session's own
+flash attention setting, and the session never drafts past it; drafting never changes that setting, so
+``--speculate ngram`` and ``off`` answer alike. The reuse probe (backends/llamacpp/reuse_probe.py)
+decides the setting for fp16 once per model, CPU and build, and remembers it."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,9 +11,8 @@ import pytest
 from localctx.app.session_options import SessionRequest, open_session
 from localctx.backends.base import GenerationParams
 from localctx.backends.generation.speculation import MAX_DRAFT
-from localctx.backends.llamacpp import shift, speculate
+from localctx.backends.llamacpp import reuse_probe
 from localctx.backends.llamacpp.speculate import LlamaCppVerifier, exact_rows
-from localctx.kvcache.calibration import Calibration, FormatCost
 
 pytest.importorskip("llama_cpp")
 
@@ -35,8 +35,7 @@ def verify_lengths(monkeypatch) -> list[int]:
 
 def test_the_probe_finds_rows_that_match_one_token_steps_and_leaves_the_session_cache_alone():
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
-        list(s.generate(COPY, GenerationParams(max_tokens=1, speculate="ngram")))  # turns flash attention on
-        assert s.settings.flash_attn
+        list(s.generate(COPY, GenerationParams(max_tokens=1, speculate="ngram")))
         s.reset()
         s.llm.eval(s.tokenize(COPY))
         n = int(s.llm.n_tokens)
@@ -67,8 +66,11 @@ def test_drafts_never_exceed_the_probed_rows_and_the_stats_say_how_many(monkeypa
     # per drafted token at a quiet run's (docs/benchmarks-reuse.md) so that the copy drafts whatever the load
     monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.48 * (n_tokens - 1))
     seen = verify_lengths(monkeypatch)
+    # flash attention on (as where the reuse probe found it exact): 3-row verify batches are exact with it on
+    # every CPU tried
+    monkeypatch.setattr(reuse_probe, "cached", lambda key: True)
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
-        list(s.generate(COPY, GenerationParams(max_tokens=1, speculate="ngram")))  # flash attention on, as drafts need
+        assert s.settings.flash_attn
         s.reset()
         plain = [e.token for e in s.generate(COPY, GenerationParams(max_tokens=40, speculate="off")) if e.kind == "token"]
         s.reset()
@@ -80,26 +82,48 @@ def test_drafts_never_exceed_the_probed_rows_and_the_stats_say_how_many(monkeypa
     assert [e.token for e in events if e.kind == "token"] == plain
 
 
-def test_a_session_without_flash_attention_turns_it_on_for_its_first_drafting_answer(monkeypatch):
+def test_a_session_without_flash_attention_drafts_only_what_its_own_probe_finds_exact(monkeypatch):
     from localctx.backends.generation.draft_policy import StepCost
 
-    off = Calibration(backend="llamacpp", hardware_key="x", model="m", weight_bytes=1, bandwidth_bytes_s=1,
-                      formats={"fp16": FormatCost(0.01, 1e-10, settings={"flash_attn": False})})
-    monkeypatch.setattr(shift, "local_calibration", lambda: off)  # fp16 measured faster without it here
+    monkeypatch.setattr(reuse_probe, "cached", lambda key: False)  # as where reuse was not exact with it
     monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.48 * (n_tokens - 1))  # as above
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
-        assert not s.settings.flash_attn
-        allocated = s.plan.allocated_context
-        list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="off")))
-        assert not s.settings.flash_attn  # plain answers keep the calibrated choice
+        assert not s.settings.flash_attn and s.reuse_exact is False
+        n_ctx = int(s.llm.n_ctx())
         drafted = list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="ngram")))
-        assert s.settings.flash_attn and int(s.llm.n_ctx()) == allocated == s.plan.allocated_context
-        assert drafted[-1].stats.cached_tokens == 0  # the cells could not move: the prompt was read again
+        assert not s.settings.flash_attn and int(s.llm.n_ctx()) == n_ctx  # the context was not reopened
         s.reset()
         plain = list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="off")))
     stats = drafted[-1].stats
-    assert stats.speculate == "ngram" and stats.verify_exact_rows >= 2 and stats.accepted_tokens > 0
+    assert stats.speculate == "ngram" and stats.verify_exact_rows == s.exact_rows >= 1
+    assert (stats.accepted_tokens > 0) == (s.exact_rows >= 2)
     assert [e.token for e in drafted if e.kind == "token"] == [e.token for e in plain if e.kind == "token"]
+
+
+def test_the_reuse_verdict_is_probed_once_remembered_and_decides_flash_attention(monkeypatch):
+    calls = []
+    real = reuse_probe.reuse_exact_with_flash_attention
+
+    def probe(llm):
+        calls.append(1)
+        return real(llm)
+
+    monkeypatch.setattr(reuse_probe, "reuse_exact_with_flash_attention", probe)
+    request = SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)
+    with open_session(request) as s:
+        first = s.reuse_exact
+        assert isinstance(first, bool) and s.settings.flash_attn == first  # uncalibrated: on where exact
+    with open_session(request) as s:
+        assert s.reuse_exact == first and s.settings.flash_attn == first
+    assert len(calls) == 1  # the second session read the verdict
+    with open_session(SessionRequest(model=None, backend="llamacpp", kv="int8", context=512)) as s:
+        assert s.reuse_exact is None and s.settings.flash_attn  # quantized V: always on, nothing probed
+    assert len(calls) == 1
+    for path in reuse_probe.verdict_path("x").parent.glob("reuse-exact-*.json"):
+        path.write_text("{damaged")
+    with open_session(request) as s:
+        assert s.reuse_exact == first
+    assert len(calls) == 2  # a damaged verdict is probed again
 
 
 @pytest.mark.slow
@@ -117,7 +141,7 @@ def test_prompt_lookup_on_gemma3_keeps_plain_decodings_text(gemma3_path, monkeyp
                [{"role": "user", "content": "Explain how ocean tides work, in a few sentences."}]]
     accepted = 0
     with open_session(SessionRequest(model=str(gemma3_path), backend="llamacpp", kv="fp16", context=1024)) as s:
-        list(s.generate(prompts[1], GenerationParams(max_tokens=1, speculate="ngram")))  # flash attention on
+        list(s.generate(prompts[1], GenerationParams(max_tokens=1, speculate="ngram")))  # probes its exact rows
         for prompt in prompts:
             s.reset()
             plain = [e.token for e in s.generate(prompt, GenerationParams(max_tokens=40, speculate="off"))
@@ -126,5 +150,5 @@ def test_prompt_lookup_on_gemma3_keeps_plain_decodings_text(gemma3_path, monkeyp
             events = list(s.generate(prompt, GenerationParams(max_tokens=40, speculate="ngram")))
             assert [e.token for e in events if e.kind == "token"] == plain
             accepted += events[-1].stats.accepted_tokens
-        assert 2 <= s.exact_rows <= MAX_DRAFT + 1 and max(seen) <= s.exact_rows
-    assert accepted > 0
+        assert 1 <= s.exact_rows <= MAX_DRAFT + 1 and max(seen, default=1) <= s.exact_rows
+    assert (accepted > 0) == (s.exact_rows >= 2)

@@ -24,13 +24,13 @@ def calibration(fp16_flash_attn: bool) -> Calibration:
 
 def test_exact_plans_map_to_n_ctx_and_llama_cpp_kv_types():
     s = shift.settings_for(plan_for("fp16", 8192))
-    # uncalibrated fp16 opens as llama-cpp-python does, without flash attention
+    # fp16 with reuse not known to stay exact with flash attention opens as llama-cpp-python does, without it
     assert (s.n_ctx, s.type_k, s.type_v, s.flash_attn, s.window) == (8192, "f16", "f16", False, None)
-    assert shift.settings_for(plan_for("fp16"), calibration(True)).flash_attn  # measured faster here: on
-    assert not shift.settings_for(plan_for("fp16"), calibration(False)).flash_attn
-    # a session that verifies drafts needs it, calibrated or not (speculate.exact_rows)
-    fp16 = plan_for("fp16").policy
-    assert shift.flash_attn_for(fp16, None, drafts=True) and shift.flash_attn_for(fp16, calibration(False), drafts=True)
+    assert not shift.settings_for(plan_for("fp16"), calibration(True)).flash_attn  # faster, but not exact here
+    # where the reuse probe found it exact (reuse_probe.py): on, unless the calibration measured it slower
+    assert shift.settings_for(plan_for("fp16"), None, reuse_exact=True).flash_attn
+    assert shift.settings_for(plan_for("fp16"), calibration(True), reuse_exact=True).flash_attn
+    assert not shift.settings_for(plan_for("fp16"), calibration(False), reuse_exact=True).flash_attn
     q8 = shift.settings_for(plan_for("int8", 4096), calibration(False))
     assert (q8.n_ctx, q8.type_k, q8.type_v, q8.flash_attn) == (4096, "q8_0", "q8_0", True)  # quantized V needs FA
     assert shift.settings_for(plan_for("int4")).type_v == "q4_0"

@@ -36,8 +36,9 @@ def test_a_plain_cache_grows_by_steps_and_reports_held_and_allocated_bytes():
         capacity = layer.full.capacity
         assert layer.allocated_bytes() == capacity * ROW_BYTES
         assert layer.n_seen <= capacity < layer.n_seen + FULL_STEP
-    # 100 → 355 rows, then 160 single rows fit until 355, the 300-row chunk grows again
-    assert layer.full.capacity == 100 + 160 + 300 + FULL_STEP - 1
+    # capacities are multiples of the step: 100 → 256 rows, the 157th single row grows them to 512,
+    # the 300-row chunk (560 held) to 768
+    assert FULL_STEP == 256 and layer.full.capacity == 768
 
 
 def test_a_decode_step_writes_in_place_without_copying_the_rows():
@@ -95,7 +96,7 @@ def test_a_quantizing_cache_keeps_its_spare_rows_under_a_group():
 def test_rows_restored_from_a_snapshot_copy_before_they_are_written():
     k = mx.zeros((1, 4, 2))
     full = FullRows.empty(1, 2, mx.float32).append(k[:, :2], k[:, :2], step=4)
-    assert full.capacity == 5 and full.owned
+    assert full.capacity == 4 and full.owned
     grown = full.append(mx.ones((1, 1, 2)), mx.ones((1, 1, 2)), step=4)
     assert grown.k is full.k  # written in place
     again = full.restored().append(mx.ones((1, 1, 2)) * 2, mx.ones((1, 1, 2)) * 2, step=4)

@@ -1,0 +1,70 @@
+"""The reuse probe (backends/llamacpp/reuse_probe.py): exact only when a prefix prefilled in a longer
+batch and a rest prefilled as a second batch give the cold run's logits bit for bit; verdicts are
+remembered per key, and a damaged or foreign file is never used."""
+from __future__ import annotations
+
+import numpy as np
+
+from localctx.backends.llamacpp import reuse_probe
+
+VOCAB = 8
+
+
+class FakeContext:
+    """Logits as a function of the tokens held and of the batch each row was computed in: with
+    ``batch_rounding`` a row's value depends on its batch's length (as kernels that sum in another
+    order for another batch size do); without it, on the tokens alone."""
+
+    def __init__(self, batch_rounding: bool):
+        self.batch_rounding = batch_rounding
+        self.rows: list[float] = []  # one value per held token
+        self.n = 0
+
+    def step(self, tokens, every_row=True):
+        for j, t in enumerate(tokens):
+            value = float(t * 7 + self.n + j)
+            if self.batch_rounding:
+                value += 1e-6 * len(tokens)
+            self.rows.append(value)
+        self.n += len(tokens)
+        logits = np.zeros((1, VOCAB))
+        logits[0, int(sum(self.rows)) % VOCAB] = 1.0
+        logits[0, 0] += sum(self.rows)
+        return logits
+
+    def rollback(self, n):
+        self.n -= n
+        del self.rows[self.n:]
+
+
+def test_exact_only_when_the_second_batch_gives_the_cold_runs_logits():
+    tokens = list(range(1, reuse_probe.TEXT_TOKENS + 1))
+    for rounding, exact in ((False, True), (True, False)):
+        probe = FakeContext(rounding)
+        cold = reuse_probe._run(probe, tokens, None)
+        reused = reuse_probe._run(probe, tokens, reuse_probe.REUSED)
+        assert probe.n == 0 and len(cold) == reuse_probe.STEPS + 1
+        assert all(np.array_equal(a, b) for a, b in zip(cold, reused)) is exact
+
+
+def test_verdicts_are_remembered_by_key_and_a_damaged_or_foreign_file_is_not_used():
+    assert reuse_probe.cached("k1") is None
+    reuse_probe.remember("k1", True)
+    reuse_probe.remember("k2", False)
+    assert reuse_probe.cached("k1") is True and reuse_probe.cached("k2") is False
+    reuse_probe.verdict_path("k1").write_text("{not json")
+    assert reuse_probe.cached("k1") is None
+    # a file holding another key's verdict (copied or renamed) is not this key's
+    reuse_probe.verdict_path("k3").write_text(reuse_probe.verdict_path("k2").read_text())
+    assert reuse_probe.cached("k3") is None
+
+
+def test_the_key_changes_with_the_model_and_the_context_settings(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF" + b"a" * 100)
+    b.write_bytes(b"GGUF" + b"b" * 100)
+    base = reuse_probe.cache_key(a, 1, 1, False, 2)
+    assert base == reuse_probe.cache_key(a, 1, 1, False, 2)
+    others = {reuse_probe.cache_key(b, 1, 1, False, 2), reuse_probe.cache_key(a, 8, 1, False, 2),
+              reuse_probe.cache_key(a, 1, 1, True, 2), reuse_probe.cache_key(a, 1, 1, False, 4)}
+    assert base not in others and len(others) == 4
