@@ -4,6 +4,7 @@ model shape (assets/models.json, e.g. ``-m llama-3-8b``) without its weights."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -145,13 +146,19 @@ def _calibrate_quality(req: SessionRequest) -> None:
 
     if req.hardware:
         raise UserError("--calibrate-quality measures the model on this machine; drop --hardware")
+    chosen = ""
+    if req.backend == "auto":  # the backend run and chat take here, named in the first line
+        from localctx.backends import registry
+
+        req = dataclasses.replace(req, backend=registry.auto_name())
+        chosen = " (the backend run and chat use here; --backend picks another)"
     if req.backend not in CALIBRATED_BACKENDS:
         raise UserError(f"--calibrate-quality needs --backend llamacpp, torch or mlx (got {req.backend}): "
                         "each backend's cache loses differently, so each is calibrated apart")
     ref, spec = resolve_model(req)
     formats = ", ".join(map(str, formats_for(req.backend, spec)))
     task, window = task_for(req.backend), window_for(req.backend, spec, ref)
-    print(f"calibrating KV quality of {spec.name} on {req.backend}: {formats} against full precision, "
+    print(f"calibrating KV quality of {spec.name} on {req.backend}{chosen}: {formats} against full precision, "
           f"{measured_words(task, spec)}, in lockstep"
           + (f"; then the window planned here, {window_words(task, window)}" if window else
              "; no window (none fits here, or the text is too short for one)"), file=sys.stderr)

@@ -155,9 +155,13 @@ def test_calibrate_quality_measures_every_format_and_the_planned_window_on_the_p
     from localctx.backends.evaluation.tasks import PerplexityTask
     from localctx.backends.llamacpp.evaluate import LlamaCppEvaluator, evaluate
 
+    from localctx.backends import registry
+
     monkeypatch.setattr(calibrate_quality, "TOKENS", 512)
-    r = cli("plan", "-m", str(tiny), "--backend", "llamacpp", "--calibrate-quality", "--json")
+    monkeypatch.setattr(registry, "auto_name", lambda: "llamacpp")  # as on a CPU host with a working build
+    r = cli("plan", "-m", str(tiny), "--calibrate-quality", "--json")  # no --backend: the one run would use
     assert r.code == 0, r.err
+    assert "on llamacpp (the backend run and chat use here; --backend picks another)" in r.err
     assert "512 tokens of built-in text (pydoc_data.topics), every 2nd prediction scored: 256 positions from 1 to " \
            "512 of the 32,768 trained" in r.err
     assert "then the window planned here, fp16+sink4+win256, scored only past its 260 cached tokens: 126 positions " \
