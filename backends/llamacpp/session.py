@@ -219,8 +219,9 @@ class LlamaCppSession(Session):
             return
         grow.reopen(self.llm, on)
         self.settings = dataclasses.replace(self.settings, flash_attn=on)
-        if not self._fixed_context:  # its allocation is the plan's (a server's slots record their own)
-            n = int(self.llm.n_ctx())
+        # the same cells, their bytes in the new V layout (a server's slots record their own)
+        if not self._fixed_context:
+            n = self.plan.allocated_context
             self.plan.grow_to(n, self.allocated_bytes(n))
 
     def reset(self) -> None:
