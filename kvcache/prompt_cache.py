@@ -118,11 +118,11 @@ def save_point(n_prompt: int, reused: int) -> int:
     return at if at >= MIN_TOKENS and at > reused and reused % CHUNK == 0 else 0
 
 
-def exact_save_point(n_prompt: int, reused: int) -> int:
-    """Where a cache that can be cut at any token saves a prompt: all but its final token, when
-    that adds at least CHUNK tokens to what was reused (a second question about a loaded document
-    writes no second copy of it); else 0."""
-    at = n_prompt - 1
+def exact_save_point(n_prompt: int, reused: int, replay: int = 1) -> int:
+    """Where a cache that can be cut at any token saves a prompt: all but its final ``replay`` tokens
+    (evaluated again, for the logits), when that adds at least CHUNK tokens to what was reused (a second
+    question about a loaded document writes no second copy of it); else 0."""
+    at = n_prompt - replay
     return at if at >= MIN_TOKENS and at - reused >= CHUNK else 0
 
 

@@ -25,15 +25,36 @@ collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else [
     "kernels_cuda/test_cuda_kernels.py", "kernels_cuda/test_cuda_kernels_e2e.py", "kernels_cuda/test_cuda_kernels_model.py"]
 
 
+@pytest.fixture(scope="session")
+def probe_verdicts(tmp_path_factory) -> Path:
+    """The llama.cpp probes' verdicts (backends/llamacpp/reuse_probe.py) measured so far in this run."""
+    return tmp_path_factory.mktemp("probe-verdicts")
+
+
 @pytest.fixture(autouse=True)
-def isolated_user_dirs(tmp_path_factory, monkeypatch):
-    """Config, data, caches and the hub cache live in a temp dir; the hub is never reached."""
+def isolated_user_dirs(request, tmp_path_factory, probe_verdicts, monkeypatch):
+    """Config, data, caches and the hub cache live in a temp dir; the hub is never reached. The llama.cpp
+    probes' verdicts carry over from test to test, as they do on a user's machine from run to run (a
+    probe of the bundled model costs seconds, and hundreds of tests open it), except in tests marked
+    ``fresh_probes``."""
+    import shutil
+
     root = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("LOCALCTX_DATA_DIR", str(root / "data"))
     monkeypatch.setenv("LOCALCTX_CACHE_DIR", str(root / "cache"))
     monkeypatch.setenv("HF_HOME", str(root / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    verdicts = root / "cache" / "llamacpp"
+    shared = request.node.get_closest_marker("fresh_probes") is None
+    if shared and any(probe_verdicts.iterdir()):
+        verdicts.mkdir(parents=True, mode=0o700)
+        for path in probe_verdicts.iterdir():
+            shutil.copy2(path, verdicts / path.name)
     yield root
+    if shared and verdicts.is_dir():
+        for path in verdicts.glob("*.json"):
+            if not (probe_verdicts / path.name).exists():
+                shutil.copy2(path, probe_verdicts / path.name)
 
 
 @pytest.fixture(scope="session")

@@ -227,13 +227,17 @@ def refusal(policy) -> str | None:
     return None
 
 
-# llama.cpp evaluates a batch of two or more tokens with other kernels than a one-token step: without
-# flash attention the logits of a verify batch differ from the one-token step's (by up to 0.5 on the
-# bundled SmolLM2), and with it they are bit-equal only up to some rows (Gemma 3 270M: 3). Its session
-# therefore measures those rows once (backends/llamacpp/speculate.exact_rows) and drafts within them;
-# auto stays off there, since what prompt lookup can draft depends on that probe.
-BATCH_NUMERICS = ("llama.cpp's multi-token verify matches its one-token step only with flash attention and up to the "
-                  "rows a per-session probe finds; --speculate ngram opts in and drafts within them")
+# llama.cpp evaluates a batch of two or more tokens with other kernels than a one-token step, and which
+# agree bit for bit depends on the KV type, flash attention, the CPU and how far into the text the step is:
+# on the bundled SmolLM2 (AVX2) q8_0 / q4_0 KV gave one-token logits in verify batches of up to 9 rows at
+# every position tried, while fp16 did only under 256 tokens (past them its one-token steps take other
+# kernels, with flash attention or without). Its session therefore measures those rows once per model,
+# KV and CPU (backends/llamacpp/speculate.exact_rows), drafts within them, and decodes plainly where there
+# are none; auto stays off there, since what prompt lookup can draft depends on that probe.
+NO_EXACT_ROWS = ("no llama.cpp verify batch gives its one-token steps' logits bit for bit for this model and KV "
+                 "on this CPU, so a draft could change the text")
+BATCH_NUMERICS = ("llama.cpp's multi-token verify matches its one-token step only up to the rows a per-model "
+                  "probe finds; --speculate ngram opts in and drafts within them")
 
 
 def resolve(mode: str, policy, batch_differs: bool = False, constrained: bool = False) -> str:

@@ -6,18 +6,24 @@ Two promises of a full-precision (fp16) session rest on llama.cpp giving the sam
   message's prefix) answers as a cold run of the same prompt does;
 - prompt lookup's verify batches give one-token decoding's logits (speculate.exact_rows), so
   ``--speculate ngram`` answers with ``--speculate off``'s text.
-Which kernels keep them depends on the CPU: with flash attention the second held on every host tried
-and the first held on AVX2 hosts but not on an AVX-512 one; without it the first held everywhere and
-the second nowhere. So an fp16 session takes flash attention only where this probe finds reuse exact
-with it (shift.flash_attn_for), and a session that drafts takes the same setting as one that does not.
+Which kernels keep them depends on the CPU and the build. Without flash attention the first held
+everywhere tried (with two rows or more evaluated again: session.REPLAY) and the second nowhere. With
+it, the llama.cpp in use computes a batch of 64 rows or more with a tiled kernel that sums in another
+order than the per-row kernel of a shorter batch, so a prompt of 64 tokens or more reused with a short
+rest differs from its cold run (by up to 1.0 in a logit, SmolLM2 on AVX2); a probe of 40 tokens, under
+the tile, had found it exact. And past 256 tokens in a context of 512 cells or more a one-token step
+splits the cache across threads (speculate.exact_rows). So an fp16 session takes flash attention only
+where this probe finds reuse exact with it (shift.flash_attn_for), and a session that drafts takes the
+same setting as one that does not.
 
 The probe, in a small context of its own on the session's weights with flash attention on and the
-session's other context settings: a fixed text prefilled in one batch, then a few greedy one-token
-steps (the cold run); the text prefilled in one batch again, its cells cut back to a prefix, the rest
-prefilled as a second batch, then the same steps (the reuse). Exact: the logits after the prefill and
-after each step are equal bit for bit. The verdict is kept in the user cache, keyed by this CPU's
-feature flags and the llama.cpp build (guard.probe_key), the model file's identity, the KV types, the
-sliding-window cache layout and the threads; written atomically, and a damaged or foreign file is
+session's other context settings: a fixed text of ``TEXT_TOKENS`` prefilled in one batch (as a long
+prompt is), then a few greedy one-token steps (the cold run); the text prefilled in one batch again, its
+cells cut back to each of ``CUTS``, the rest prefilled as a second batch (a new turn's few dozen tokens;
+the REPLAY rows of a prompt asked again), then the same steps (the reuse). Exact: the logits after the
+prefill and after each step are equal bit for bit. The verdict is kept in the user cache, keyed by this
+CPU's feature flags and the llama.cpp build (guard.probe_key), the model file's identity, the KV types,
+the sliding-window cache layout and the threads; written atomically, and a damaged or foreign file is
 probed again."""
 from __future__ import annotations
 
@@ -31,45 +37,52 @@ from localctx.backends.llamacpp.speculate import ProbeContext, probe_tokens
 from localctx.kvcache.hardware_profile import cache_dir
 from localctx.kvcache.private_files import read_trusted, write_private
 
-VERSION = 1
-TEXT_TOKENS = 40  # the probe text's tokens, prefilled in one batch
-REUSED = 16  # the prefix the reuse keeps; the other 24 tokens are prefilled again as a second batch
+VERSION = 2  # 1: a 40-token text, under the tiled kernel's 64 rows
+TEXT_TOKENS = 96  # the probe text's tokens, prefilled in one batch (past the tiled kernel's 64 rows)
+CUTS = (72, 94)  # the prefixes a reuse keeps: 24 tokens prefilled again as a second batch; 2 (REPLAY)
 STEPS = 3  # greedy one-token steps after each prefill
 
 
-def cache_key(model_file: Path, type_k: int, type_v: int, swa_full: bool, threads: int) -> str:
+def cache_key(model_file: Path, type_k: int, type_v: int, swa_full: bool, threads: int,
+              flash_attn: bool | None = None) -> str:
     """What a verdict holds for: the build and CPU, the model file, and the context settings a session
-    opens with (known before it opens, so a remembered verdict decides its flash attention at once)."""
+    opens with (known before it opens, so a remembered verdict decides its flash attention at once);
+    ``flash_attn`` for a verdict measured under the session's setting (speculate.exact_rows)."""
     from localctx.backends.llamacpp.guard import library_dir, probe_key
     from localctx.kvcache.quality_calibration import identity
 
     lib = library_dir()
     text = json.dumps({"probe": VERSION, "build_cpu": probe_key(lib) if lib else "", "model": identity(model_file),
-                       "type_k": type_k, "type_v": type_v, "swa_full": swa_full, "threads": threads},
+                       "type_k": type_k, "type_v": type_v, "swa_full": swa_full, "threads": threads,
+                       "flash_attn": flash_attn},
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def verdict_path(key: str) -> Path:
-    return cache_dir() / "llamacpp" / f"reuse-exact-{key}.json"
+# what is remembered, and its type: this probe's verdict; the verify rows of speculate.exact_rows
+KINDS = {"reuse-exact": bool, "verify-rows": int}
 
 
-def cached(key: str) -> bool | None:
+def verdict_path(key: str, kind: str = "reuse-exact") -> Path:
+    return cache_dir() / "llamacpp" / f"{kind}-{key}.json"
+
+
+def cached(key: str, kind: str = "reuse-exact") -> bool | int | None:
     """The remembered verdict, or None when there is none this build, CPU and model may use."""
-    text = read_trusted(verdict_path(key))
+    text = read_trusted(verdict_path(key, kind))
     if text is None:
         return None
     try:
         doc = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(doc, dict) or doc.get("key") != key or not isinstance(doc.get("exact"), bool):
+    if not isinstance(doc, dict) or doc.get("key") != key or type(doc.get("value")) is not KINDS[kind]:
         return None
-    return doc["exact"]
+    return doc["value"]
 
 
-def remember(key: str, exact: bool) -> None:
-    write_private(verdict_path(key), json.dumps({"version": VERSION, "key": key, "exact": exact}))
+def remember(key: str, value: bool | int, kind: str = "reuse-exact") -> None:
+    write_private(verdict_path(key, kind), json.dumps({"version": VERSION, "key": key, "value": value}))
 
 
 def _run(probe: ProbeContext, tokens: list[int], cut: int | None) -> list[np.ndarray]:
@@ -87,12 +100,12 @@ def _run(probe: ProbeContext, tokens: list[int], cut: int | None) -> list[np.nda
 
 
 def reuse_exact_with_flash_attention(llm) -> bool:
-    """Measured now (about three prefills of 40 tokens and six one-token steps on ``llm``'s weights)."""
+    """Measured now (three prefills of 96 tokens, two short ones and nine one-token steps on ``llm``'s
+    weights; the second cut only where the first holds)."""
     probe = ProbeContext(llm, TEXT_TOKENS, flash_attn=True)
     try:
         tokens = probe_tokens(llm, TEXT_TOKENS)
         cold = _run(probe, tokens, None)
-        reused = _run(probe, tokens, REUSED)
-        return all(np.array_equal(a, b) for a, b in zip(cold, reused))
+        return all(all(np.array_equal(a, b) for a, b in zip(cold, _run(probe, tokens, cut))) for cut in CUTS)
     finally:
         probe.close()

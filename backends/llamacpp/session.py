@@ -34,6 +34,12 @@ from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.prompt_cache import PromptCache
 
+# Prompt tokens evaluated again when a prompt reuses cached cells (llama-cpp-python replays one, for the
+# logits). llama.cpp computes a one-row batch with other kernels than a longer one: on fp16 KV a prompt's
+# last row replayed alone differed from the cold run's by up to 0.8 in a logit past ~250 tokens (AVX2,
+# without flash attention), while replays of two rows and more were bit-equal (docs/benchmarks-reuse.md).
+REPLAY = 2
+
 
 def default_threads() -> int:
     try:
@@ -168,9 +174,12 @@ class LlamaCppSession(Session):
         self._shift = shift.ContextShift(self.llm, self.settings) if policy.evicts else None
         self._n_swa = None if self.settings.swa_full else swa_window(self.spec)  # compact SWA cache
         self._chunks: cache_reuse.ChunkReuse | None = None  # opt-in: enable_cache_reuse()
-        # rows a verify batch may have and match one-token decoding bit for bit (speculate.exact_rows),
-        # measured at the first answer with prompt lookup (1: no drafts)
+        # rows a verify batch may have and match one-token decoding bit for bit (speculate.exact_rows):
+        # remembered per model, CPU, build and context settings, else measured at the first answer with
+        # prompt lookup (1: no drafts)
         self.exact_rows: int | None = None
+        self._rows_key = functools.partial(reuse_probe.cache_key, ref.path, type_k, type_v, self.settings.swa_full,
+                                           n_threads)
 
     # -- prompts ---------------------------------------------------------------
     def _piece(self, token: int) -> str:
@@ -249,7 +258,7 @@ class LlamaCppSession(Session):
         logits = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
         return np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).copy()
 
-    def _cached_prefix(self, tokens: list[int]) -> int:
+    def _cached_prefix(self, tokens: list[int], replay: int = REPLAY) -> int:
         """Tokens of ``tokens`` the cache already holds and generate() will reuse. A compact SWA cache
         has dropped sliding-layer cells older than its window, so a prefix ending more than a window
         before the cache's end cannot be reused: the cache is cleared and the prompt evaluated anew."""
@@ -258,7 +267,7 @@ class LlamaCppSession(Session):
             if a != b:
                 break
             n += 1
-        reuse = min(n, len(tokens) - 1)  # llama-cpp-python replays the last token to refresh logits
+        reuse = max(0, min(n, len(tokens) - replay))
         if self._n_swa and reuse > 0:
             import llama_cpp
 
@@ -290,7 +299,8 @@ class LlamaCppSession(Session):
     def _reuse_chunks(self, prompt_ids: list[int], clock: StatsClock) -> None:
         if self._chunks is not None:
             clock.shifted_tokens = self._chunks.apply(prompt_ids)
-            clock.cached_tokens = max(clock.cached_tokens, self._cached_prefix(prompt_ids))
+            # chunk reuse keeps llama-cpp-python's one-token replay (its moved cells are not exact anyway)
+            clock.cached_tokens = max(clock.cached_tokens, self._cached_prefix(prompt_ids, replay=1))
 
     # -- the prompt cache on disk --------------------------------------------------------
     def enable_prompt_cache(self, model_path: Path) -> str | None:
@@ -305,12 +315,12 @@ class LlamaCppSession(Session):
     def _disk_prefix(self, prompt_ids: list[int], clock: StatsClock) -> None:
         """Before prefill: load a file that covers more of the prompt than the context does (up to
         the first token where they differ: llama.cpp cuts its cells anywhere), and evaluate all
-        but the prompt's last token and save that to disk when it adds a chunk or more."""
+        but the prompt's last REPLAY tokens and save that to disk when it adds a chunk or more."""
         store = self.prompt_cache
         if store is None:
             return
         start = self._cached_prefix(prompt_ids)
-        hit = store.lookup(prompt_ids, len(prompt_ids) - 1)
+        hit = store.lookup(prompt_ids, len(prompt_ids) - REPLAY)
         if hit is not None and hit.n_tokens > start:
             if llama_prompt_cache.load(self.llm, hit):
                 start = clock.cached_tokens = clock.loaded_tokens = hit.n_tokens
@@ -319,7 +329,7 @@ class LlamaCppSession(Session):
             else:
                 store.notice("prompt cache: llama.cpp refused a state file; prefilling instead")
                 start = 0
-        save_at = prompt_cache.exact_save_point(len(prompt_ids), start)
+        save_at = prompt_cache.exact_save_point(len(prompt_ids), start, REPLAY)
         if save_at and not (self._chunks is not None and self._chunks.lossy_below(start)):  # exact KV only
             self.llm.n_tokens = start  # eval removes the cells from here on before decoding
             self.llm.eval(prompt_ids[start:save_at])
@@ -343,6 +353,8 @@ class LlamaCppSession(Session):
         if self._shift:  # sinks + window: streams past n_ctx through llama.cpp's context shift
             yield from self._shift.tokens(prompt_ids, params.top_k, params.top_p, params.temperature, rules)
             return "stop"
+        if self._chunks is None:  # llama-cpp-python's generate replays one token; REPLAY are evaluated again
+            self.llm.n_tokens = min(int(self.llm.n_tokens), self._cached_prefix(prompt_ids))
         for token in self.llm.generate(prompt_ids, top_k=params.top_k, top_p=params.top_p, min_p=0.0,
                                        temp=params.temperature, repeat_penalty=1.0, grammar=rules):
             yield token
@@ -361,18 +373,29 @@ class LlamaCppSession(Session):
         self.llm.n_tokens = cached  # eval removes the cells from here on before decoding
         self.llm.eval(prompt_ids[cached:])
 
+    def verify_rows(self) -> int:
+        """Rows a verify batch may have and give one-token decoding's logits bit for bit here
+        (speculate.exact_rows): remembered, else measured once and remembered."""
+        if self.exact_rows is None:
+            from localctx.backends.llamacpp.speculate import exact_rows  # prompt lookup only
+
+            key = self._rows_key(self.settings.flash_attn)
+            self.exact_rows = reuse_probe.cached(key, "verify-rows")
+            if self.exact_rows is None:
+                self.exact_rows = exact_rows(self.llm)
+                reuse_probe.remember(key, self.exact_rows, "verify-rows")
+        return self.exact_rows
+
     def _drafted_tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):
         self._disk_prefix(prompt_ids, clock)
         self._reuse_chunks(prompt_ids, clock)
         self._prefill(prompt_ids)
-        from localctx.backends.llamacpp.speculate import LlamaCppVerifier, exact_rows, last_logits  # prompt lookup only
+        from localctx.backends.llamacpp.speculate import LlamaCppVerifier, last_logits  # prompt lookup only
 
         # a verify batch stays inside the context allocated now (fit() made room for the prompt and answer)
         verifier = LlamaCppVerifier(self.llm, min(self.plan.context, int(self.llm.n_ctx())), self._shift)
         try:
-            if self.exact_rows is None:
-                self.exact_rows = exact_rows(self.llm)
-            rows = clock.verify_exact_rows = self.exact_rows
+            rows = clock.verify_exact_rows = self.verify_rows()
             tokens = speculation.speculative_tokens(verifier, prompt_ids, last_logits(self.llm), params, clock,
                                                    max_draft=rows - 1, verify_cost=self.verify_cost)
             for token in tokens:
@@ -394,6 +417,9 @@ class LlamaCppSession(Session):
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=cached, speculate=speculate)
         drafted = clock.speculate == "ngram"
+        if drafted and self.verify_rows() < 2:  # a draft would change the text: plain decoding, said so
+            clock.verify_exact_rows = self.exact_rows
+            clock.speculate, drafted = f"off ({speculation.NO_EXACT_ROWS})", False
         source = self._drafted_tokens(ids, params, clock) if drafted else self._tokens(ids, params, clock)
         yield from stream(source,
                           token_bytes=lambda t: self.llm.detokenize([t], special=False), eos=self.eog,

@@ -80,8 +80,13 @@ class LlamaCppVerifier:
 
 PROBE_TEXT = ("The river crossing grew into a market town: merchants from the north brought wool, salt and "
               "iron to trade for grain and wine, and by 1200 the town had walls, a bridge and two churches.")
-PROBE_OFFSET = 6  # one-token steps before the second series of batches (a batch in the middle of a text)
-PROBE_CELLS = 256  # the probe's own context: one llama.cpp cell pad
+PROBE_OFFSET = 6  # tokens before the second series of batches (a batch in the middle of a text)
+# The third series starts past 256 tokens in a context of 512 cells: there llama.cpp's view of the cache
+# spans 512 cells, and with fp16 K/V and flash attention a one-token step then splits the cache across
+# threads and merges their partial sums, which a verify batch's rows do not (ggml-cpu's
+# flash_attn_ext: nek1 >= 512); the first two series, under 256 cells, cannot see it.
+PROBE_FAR = 300
+PROBE_CELLS = 512  # the probe's own context
 
 
 def probe_tokens(llm, n: int) -> list[int]:
@@ -94,12 +99,12 @@ class ProbeContext:
     settings (KV types, flash attention unless ``flash_attn`` says otherwise, threads), so that a probe
     leaves the session's cache alone (this one; reuse_probe.py)."""
 
-    def __init__(self, llm, rows: int, flash_attn: bool | None = None):
+    def __init__(self, llm, rows: int, flash_attn: bool | None = None, cells: int = 256):
         import llama_cpp
 
         self.lib = L = llama_cpp
         params = L.llama_context_params.from_buffer_copy(llm.context_params)
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = PROBE_CELLS, rows, rows, 1
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = cells, rows, rows, 1
         if flash_attn is not None:
             params.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                       else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -132,31 +137,43 @@ class ProbeContext:
         self.lib.llama_free(self.ctx)
 
 
+def _exact_at(probe: ProbeContext, tokens: list[int], start: int, max_rows: int) -> int:
+    """The largest T ≤ ``max_rows`` such that every verify step of 2..T rows after ``tokens[:start]``
+    (prefilled in one batch) gives the logits of one-token steps bit for bit, and the one-token step
+    after it too."""
+    probe.rollback(probe.n)
+    if start:
+        probe.step(tokens[:start], every_row=False)
+    reference = np.concatenate([probe.step([t]) for t in tokens[start:start + max_rows + 1]])
+    probe.rollback(max_rows + 1)
+
+    def exact(rows: int) -> bool:
+        batch = probe.step(tokens[start:start + rows])
+        after = probe.step([tokens[start + rows]])
+        probe.rollback(rows + 1)
+        return np.array_equal(batch, reference[:rows]) and np.array_equal(after[0], reference[rows])
+
+    best = 1
+    while best < max_rows and exact(best + 1):
+        best += 1
+    return best
+
+
 def exact_rows(llm, max_rows: int = MAX_DRAFT + 1) -> int:
     """The largest T ≤ ``max_rows`` for which a T-token verify step gives bit-for-bit the logits of
     T one-token steps, and leaves a cache from which the next one-token step's logits are bit-equal
-    too: each T from 2 up until one differs, at the start of a short fixed text and after
-    ``PROBE_OFFSET`` of its tokens, in a small context of the probe's own with ``llm``'s settings
-    (about 50 decode steps; the session's cache is not touched)."""
-    probe = ProbeContext(llm, max_rows)
+    too: checked at the start of a short fixed text, after ``PROBE_OFFSET`` of its tokens and after
+    ``PROBE_FAR``, in a context of the probe's own with ``llm``'s settings (the session's cache is not
+    touched; about 50 decode steps, and one prefill of PROBE_FAR tokens where the first two hold)."""
+    probe = ProbeContext(llm, PROBE_FAR, cells=PROBE_CELLS)
     try:
-        tokens = probe_tokens(llm, PROBE_OFFSET + max_rows + 1)
-        reference = np.concatenate([probe.step([t]) for t in tokens])  # one-token steps
-        probe.rollback(len(tokens))
-
-        def exact(start: int, rows: int) -> bool:
-            batch = probe.step(tokens[start:start + rows])
-            after = probe.step([tokens[start + rows]])
-            probe.rollback(rows + 1)
-            return (np.array_equal(batch, reference[start:start + rows])
-                    and np.array_equal(after[0], reference[start + rows]))
-
-        best = 1
-        while best < max_rows and exact(0, best + 1):
-            best += 1
-        for t in tokens[:PROBE_OFFSET]:
-            probe.step([t])
-        return next((rows - 1 for rows in range(2, best + 1) if not exact(PROBE_OFFSET, rows)), best)
+        tokens = probe_tokens(llm, PROBE_FAR + max_rows + 1)
+        best = max_rows
+        for start in (0, PROBE_OFFSET, PROBE_FAR):
+            if best < 2:
+                break
+            best = _exact_at(probe, tokens, start, best)
+        return best
     finally:
         probe.close()
 

@@ -41,9 +41,9 @@ PROMPTS = {
 }
 
 
-def run_once(model: str, prompt: str, speculate: str, max_tokens: int, env: dict) -> dict:
+def run_once(model: str, prompt: str, speculate: str, max_tokens: int, env: dict, kv: str | None = None) -> dict:
     args = [sys.executable, "-m", "localctx.app.cli", "run", prompt, "-m", model, "--backend", "llamacpp",
-            "--max-tokens", str(max_tokens), "--speculate", speculate, "--json"]
+            "--max-tokens", str(max_tokens), "--speculate", speculate, "--json", *(["--kv", kv] if kv else [])]
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"localctx run --speculate {speculate} failed: {out.stderr.strip()}")
@@ -64,7 +64,7 @@ def write(out: Path, args: argparse.Namespace, rows: dict[str, list[dict]]) -> d
                       "median_ngram_tok_s": round(statistics.median(x["ngram"]["decode_tok_s"] for x in p), 2)}
                for name, p in rows.items() if p}
     doc = {"command": "python benchmarks/reuse/speculate_heldout.py " + " ".join(sys.argv[1:]),
-           "model": Path(args.model).name, "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
+           "model": Path(args.model).name, "kv": args.kv or "planned", "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
            "prompts": {name: PROMPTS[name] for name in rows}, "load_average_at_end": os.getloadavg(),
            "summary": summary, "pairs": rows}
     tmp = out.with_suffix(".tmp")
@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompts", default=",".join(PROMPTS))
+    ap.add_argument("--kv", default=None, help="the KV policy of both sides (default: planned)")
     ap.add_argument("--json", default="docs/results/reuse/speculate-heldout.json", metavar="PATH")
     args = ap.parse_args()
     env = dict(os.environ)
@@ -93,7 +94,7 @@ def main() -> int:
             pair: dict = {"order": list(order), "started": time.strftime("%H:%M:%S"),
                           "load_average": round(os.getloadavg()[0], 2)}
             for side in order:
-                pair[side] = run_once(args.model, PROMPTS[name], side, args.max_tokens, env)
+                pair[side] = run_once(args.model, PROMPTS[name], side, args.max_tokens, env, args.kv)
             pair["ratio"] = round(pair["ngram"]["decode_tok_s"] / pair["off"]["decode_tok_s"], 3)
             pair["identical"] = pair["ngram"]["text"] == pair["off"]["text"]
             for side in order:

@@ -11,6 +11,7 @@ from localctx.backends.base import GenerationParams
 from localctx.backends.fake.session import FAKE_SPEC
 from localctx.backends.llamacpp.cache_reuse import ChunkMove, plan_moves, refusal
 from localctx.backends.llamacpp.shift import LlamaCppSettings
+from localctx.backends.llamacpp.session import REPLAY
 from localctx.kvcache.errors import UserError
 
 
@@ -180,7 +181,7 @@ def test_moved_cells_never_reach_the_prompt_cache_on_disk(tmp_path):
         s.reset()
         s.llm.eval([bos] + b)  # the same cells, prefilled exactly
         s._disk_prefix(later, StatsClock(backend="llamacpp", policy="fp16"))
-        assert [int(e.meta["n_tokens"]) for e in prompt_cache.entries()] == [len(later) - 1]
+        assert [int(e.meta["n_tokens"]) for e in prompt_cache.entries()] == [len(later) - REPLAY]
 
 
 def test_a_sliding_window_model_in_the_compact_cache_is_refused(tmp_path):

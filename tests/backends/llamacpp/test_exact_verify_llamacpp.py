@@ -10,7 +10,7 @@ import pytest
 
 from localctx.app.session_options import SessionRequest, open_session
 from localctx.backends.base import GenerationParams
-from localctx.backends.generation.speculation import MAX_DRAFT
+from localctx.backends.generation.speculation import MAX_DRAFT, NO_EXACT_ROWS
 from localctx.backends.llamacpp import reuse_probe
 from localctx.backends.llamacpp.speculate import LlamaCppVerifier, exact_rows
 
@@ -18,6 +18,11 @@ pytest.importorskip("llama_cpp")
 
 COPY = [{"role": "user", "content": "Copy this list exactly: apples, pears, plums, cherries, grapes, lemons, "
                                     "limes, oranges, figs, dates, apricots, peaches."}]
+
+
+def remembered(exact: bool):
+    """``reuse_probe.cached`` as if the reuse probe had found ``exact`` (verify rows: not remembered)."""
+    return lambda key, kind="reuse-exact": exact if kind == "reuse-exact" else None
 
 
 def verify_lengths(monkeypatch) -> list[int]:
@@ -68,7 +73,7 @@ def test_drafts_never_exceed_the_probed_rows_and_the_stats_say_how_many(monkeypa
     seen = verify_lengths(monkeypatch)
     # flash attention on (as where the reuse probe found it exact): 3-row verify batches are exact with it on
     # every CPU tried
-    monkeypatch.setattr(reuse_probe, "cached", lambda key: True)
+    monkeypatch.setattr(reuse_probe, "cached", remembered(True))
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
         assert s.settings.flash_attn
         s.reset()
@@ -85,7 +90,7 @@ def test_drafts_never_exceed_the_probed_rows_and_the_stats_say_how_many(monkeypa
 def test_a_session_without_flash_attention_drafts_only_what_its_own_probe_finds_exact(monkeypatch):
     from localctx.backends.generation.draft_policy import StepCost
 
-    monkeypatch.setattr(reuse_probe, "cached", lambda key: False)  # as where reuse was not exact with it
+    monkeypatch.setattr(reuse_probe, "cached", remembered(False))  # as where reuse was not exact with it
     monkeypatch.setattr(StepCost, "step_ratio", lambda self, n_tokens: 1 + 0.48 * (n_tokens - 1))  # as above
     with open_session(SessionRequest(model=None, backend="llamacpp", kv="fp16", context=512)) as s:
         assert not s.settings.flash_attn and s.reuse_exact is False
@@ -95,11 +100,14 @@ def test_a_session_without_flash_attention_drafts_only_what_its_own_probe_finds_
         s.reset()
         plain = list(s.generate(COPY, GenerationParams(max_tokens=24, speculate="off")))
     stats = drafted[-1].stats
-    assert stats.speculate == "ngram" and stats.verify_exact_rows == s.exact_rows >= 1
+    # where no verify batch is exact the answer decodes plainly and says why
+    assert stats.speculate == ("ngram" if s.exact_rows >= 2 else f"off ({NO_EXACT_ROWS})")
+    assert stats.verify_exact_rows == s.exact_rows >= 1
     assert (stats.accepted_tokens > 0) == (s.exact_rows >= 2)
     assert [e.token for e in drafted if e.kind == "token"] == [e.token for e in plain if e.kind == "token"]
 
 
+@pytest.mark.fresh_probes
 def test_the_reuse_verdict_is_probed_once_remembered_and_decides_flash_attention(monkeypatch):
     calls = []
     real = reuse_probe.reuse_exact_with_flash_attention

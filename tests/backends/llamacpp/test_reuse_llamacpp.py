@@ -8,12 +8,16 @@ import pytest
 
 from localctx.app.session_options import SessionRequest, open_session
 from localctx.backends.base import GenerationParams
+from localctx.backends.generation.speculation import NO_EXACT_ROWS
+from localctx.backends.llamacpp.session import REPLAY
 from localctx.kvcache import prompt_cache
 from localctx.kvcache.prompt_cache import CHUNK
 
 pytestmark = pytest.mark.slow
 
 PASSAGE = topics.topics["calls"].strip()[:700]
+# a copy that runs past 256 tokens, where llama.cpp's fp16 one-token steps take other kernels
+LONG_COPY = [{"role": "user", "content": "Copy this text exactly:\n\n" + topics.topics["calls"].strip()[:1300]}]
 PROMPTS = [
     [{"role": "user", "content": "Copy this text exactly:\n\n" + PASSAGE}],
     [{"role": "user", "content": "List the days of the week, then list them again in reverse order."}],
@@ -60,12 +64,13 @@ def test_greedy_output_with_prompt_lookup_is_plain_decoding(kv, monkeypatch):
         assert s.settings.flash_attn == on  # drafting does not change the session's settings
         assert on if kv == "int4" else on == s.reuse_exact
         accepted = 0
-        for prompt in PROMPTS:
+        for prompt in PROMPTS + ([] if "win" in kv else [LONG_COPY]):
             plain = one_token_steps(s, prompt, 32)
             if kv == "fp16":
                 assert tokens_of(s, prompt, "off", n=32)[0] == plain
             drafted, stats = tokens_of(s, prompt, "ngram", n=32)
-            assert stats.speculate == "ngram" and stats.verify_exact_rows == s.exact_rows
+            assert stats.speculate == ("ngram" if s.exact_rows >= 2 else f"off ({NO_EXACT_ROWS})")
+            assert stats.verify_exact_rows == s.exact_rows
             assert drafted == plain
             accepted += stats.accepted_tokens
         # where batches of two or more rows are exact, the copy prompt drafts tokens the model agrees with
@@ -97,7 +102,7 @@ def test_a_second_question_loads_the_document_from_disk_and_answers_as_a_cold_ru
         per_token = s.kv_state()[0] // s.kv_state()[1]
     [entry] = prompt_cache.entries()
     n_file = int(entry.meta["n_tokens"])
-    assert n_file == first.prompt_tokens - 1
+    assert n_file == first.prompt_tokens - REPLAY  # those are evaluated again, as a batch of their own
     with open_session(req) as s:
         hit, stats = tokens_of(s, q2, "off", n=24)
     assert stats.loaded_tokens == stats.cached_tokens == common

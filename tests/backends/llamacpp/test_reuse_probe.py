@@ -42,7 +42,7 @@ def test_exact_only_when_the_second_batch_gives_the_cold_runs_logits():
     for rounding, exact in ((False, True), (True, False)):
         probe = FakeContext(rounding)
         cold = reuse_probe._run(probe, tokens, None)
-        reused = reuse_probe._run(probe, tokens, reuse_probe.REUSED)
+        reused = reuse_probe._run(probe, tokens, reuse_probe.CUTS[0])
         assert probe.n == 0 and len(cold) == reuse_probe.STEPS + 1
         assert all(np.array_equal(a, b) for a, b in zip(cold, reused)) is exact
 
@@ -68,3 +68,21 @@ def test_the_key_changes_with_the_model_and_the_context_settings(tmp_path):
     others = {reuse_probe.cache_key(b, 1, 1, False, 2), reuse_probe.cache_key(a, 8, 1, False, 2),
               reuse_probe.cache_key(a, 1, 1, True, 2), reuse_probe.cache_key(a, 1, 1, False, 4)}
     assert base not in others and len(others) == 4
+
+
+def test_verify_rows_are_remembered_apart_from_reuse_verdicts_and_only_as_a_count():
+    reuse_probe.remember("k", 9, "verify-rows")
+    assert reuse_probe.cached("k", "verify-rows") == 9
+    assert reuse_probe.cached("k") is None  # a count is not a reuse verdict
+    reuse_probe.remember("k", True)
+    assert reuse_probe.cached("k") is True and reuse_probe.cached("k", "verify-rows") == 9
+    # a verdict's file renamed to stand for a count is not read as one (True is not a row count)
+    reuse_probe.verdict_path("j", "verify-rows").write_text(reuse_probe.verdict_path("k").read_text().replace('"k"', '"j"'))
+    assert reuse_probe.cached("j", "verify-rows") is None
+
+
+def test_the_key_of_a_verdict_measured_under_a_flash_attention_setting_names_it(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"m" * 100)
+    keys = {reuse_probe.cache_key(model, 1, 1, False, 2, fa) for fa in (None, True, False)}
+    assert len(keys) == 3
