@@ -99,6 +99,8 @@ def speculation_words(stats: GenerationStats) -> str:
     if stats.speculate == "ngram":
         return (f", prompt lookup {stats.tokens_per_step:.2f} tok/step "
                 f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted accepted)")
+    if stats.speculate == f"off ({speculation.NO_EXACT_ROWS})":  # asked for, and no draft would keep the text
+        return ", prompt lookup off (no exact verify rows for this model and KV here)"
     return ", prompt lookup off" if stats.speculate.startswith("off (") else ""
 
 

@@ -137,7 +137,7 @@ class ProbeContext:
         self.lib.llama_free(self.ctx)
 
 
-def _exact_at(probe: ProbeContext, tokens: list[int], start: int, max_rows: int) -> int:
+def exact_rows_at(probe: ProbeContext, tokens: list[int], start: int, max_rows: int) -> int:
     """The largest T ≤ ``max_rows`` such that every verify step of 2..T rows after ``tokens[:start]``
     (prefilled in one batch) gives the logits of one-token steps bit for bit, and the one-token step
     after it too."""
@@ -172,7 +172,7 @@ def exact_rows(llm, max_rows: int = MAX_DRAFT + 1) -> int:
         for start in (0, PROBE_OFFSET, PROBE_FAR):
             if best < 2:
                 break
-            best = _exact_at(probe, tokens, start, best)
+            best = exact_rows_at(probe, tokens, start, best)
         return best
     finally:
         probe.close()

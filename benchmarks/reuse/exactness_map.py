@@ -39,7 +39,7 @@ SWEEP_RESTS = range(1, 21)
 
 
 def verify_rows(probe: ProbeContext, tokens: list[int], start: int) -> int:
-    return speculate._exact_at(probe, tokens, start, 9)
+    return speculate.exact_rows_at(probe, tokens, start, 9)
 
 
 def reuse(probe: ProbeContext, tokens: list[int], n: int, cut: int) -> dict:

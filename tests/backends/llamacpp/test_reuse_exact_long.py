@@ -45,3 +45,13 @@ def test_a_long_prompt_reusing_cached_cells_gives_the_cold_runs_logits(kv):
         again, cached = prefill_logits(s, LATER)  # the same prompt again: all but its last REPLAY tokens
         assert cached == n_later - 2
         assert np.array_equal(again, cold)
+
+
+def test_ngram_without_exact_verify_rows_decodes_plainly_and_says_so(cli, monkeypatch):
+    """Where the probe finds no exact rows (remembered as 1), an answer asked for with --speculate ngram is
+    plain decoding's and the stats line says why prompt lookup is off."""
+    from localctx.backends.llamacpp import reuse_probe
+
+    monkeypatch.setattr(reuse_probe, "cached", lambda key, kind="reuse-exact": 1 if kind == "verify-rows" else None)
+    r = cli("run", "--backend", "llamacpp", "--speculate", "ngram", "--max-tokens", "4", "Name a colour.")
+    assert r.code == 0 and "prompt lookup off (no exact verify rows for this model and KV here)" in r.err
