@@ -35,9 +35,13 @@ steps cheap), and not on free text. (Counting an untimed length as cheap as the 
 one had free text try each long draft once, which cost llama.cpp more than its accepted drafts
 saved: docs/benchmarks-reuse.md.)
 
-Before a length is timed, the prior is the calibration's own timing of a verify step of that length
-on this backend and machine (``localctx plan --calibrate`` on llama.cpp stores it as
-``verify_step_cost``: kvcache/calibration.py), where there is one; else ``EXTRA_PRIOR``.
+Before a length is timed, the prior is what a verify step of that length costs with this model and KV
+on this machine where the backend measured it (llama.cpp: the exact-rows probe times its steps,
+backends/llamacpp/speculate.ProbeTimes, remembered with its verdict), else the calibration's own timing
+of one (``localctx plan --calibrate`` on llama.cpp stores fp16's as ``verify_step_cost``:
+kvcache/calibration.py), else ``EXTRA_PRIOR``. The KV type matters: without a per-KV prior an int8
+SmolLM2 answer tried each length three times at fp16's cost before its own timings ruled them out, and
+lost more on free text than its accepted drafts gained (docs/benchmarks-reuse.md).
 
 ``EXTRA_PRIOR``: the first full bench run (docs/benchmarks-reuse.md, 2 threads, load about 2)
 implies an extra 0.19 of a plain step per drafted token on torch (fp32 weights; more rows per

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from localctx.backends.llamacpp.speculate import ProbeContext, probe_tokens
+from localctx.kvcache.calibration import verify_costs
 from localctx.kvcache.hardware_profile import cache_dir
 from localctx.kvcache.private_files import read_trusted, write_private
 
@@ -41,6 +42,7 @@ VERSION = 2  # 1: a 40-token text, under the tiled kernel's 64 rows
 TEXT_TOKENS = 96  # the probe text's tokens, prefilled in one batch (past the tiled kernel's 64 rows)
 CUTS = (72, 94)  # the prefixes a reuse keeps: 24 tokens prefilled again as a second batch; 2 (REPLAY)
 STEPS = 3  # greedy one-token steps after each prefill
+CELLS = 256  # the probe's own context: under 512 cells, where a one-token step keeps one thread's sums
 
 
 def cache_key(model_file: Path, type_k: int, type_v: int, swa_full: bool, threads: int,
@@ -59,15 +61,16 @@ def cache_key(model_file: Path, type_k: int, type_v: int, swa_full: bool, thread
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-# what is remembered, and its type: this probe's verdict; the verify rows of speculate.exact_rows
-KINDS = {"reuse-exact": bool, "verify-rows": int}
+# what is remembered, and its type: this probe's verdict; the verify rows of speculate.exact_rows and what
+# its verify steps cost (speculate.ProbeTimes.costs: rows, as a string, → one-token steps)
+KINDS = {"reuse-exact": bool, "verify-rows": int, "verify-cost": dict}
 
 
 def verdict_path(key: str, kind: str = "reuse-exact") -> Path:
     return cache_dir() / "llamacpp" / f"{kind}-{key}.json"
 
 
-def cached(key: str, kind: str = "reuse-exact") -> bool | int | None:
+def cached(key: str, kind: str = "reuse-exact") -> bool | int | dict | None:
     """The remembered verdict, or None when there is none this build, CPU and model may use."""
     text = read_trusted(verdict_path(key, kind))
     if text is None:
@@ -78,22 +81,29 @@ def cached(key: str, kind: str = "reuse-exact") -> bool | int | None:
         return None
     if not isinstance(doc, dict) or doc.get("key") != key or type(doc.get("value")) is not KINDS[kind]:
         return None
+    if kind == "verify-cost":
+        try:
+            verify_costs(doc["value"])
+        except (TypeError, ValueError):
+            return None
     return doc["value"]
 
 
-def remember(key: str, value: bool | int, kind: str = "reuse-exact") -> None:
+def remember(key: str, value: bool | int | dict, kind: str = "reuse-exact") -> None:
     write_private(verdict_path(key, kind), json.dumps({"version": VERSION, "key": key, "value": value}))
 
 
-def _run(probe: ProbeContext, tokens: list[int], cut: int | None) -> list[np.ndarray]:
-    """Logits after the prefill and after each greedy step; with ``cut``, the prefill is redone from
-    that many cached tokens (the text prefilled whole first, then cut back, as a turn leaves its cells)."""
+def reuse_logits(probe: ProbeContext, tokens: list[int], cut: int | None, steps: int = STEPS) -> list[np.ndarray]:
+    """Logits after ``tokens`` prefilled in one batch and after each of ``steps`` greedy one-token
+    steps; with ``cut``, the prefill is redone from that many cached tokens (the text prefilled whole
+    first, then cut back, as a turn leaves its cells). The probe starts and ends empty."""
+    probe.rollback(probe.n)
     last = probe.step(tokens, every_row=False)[0]
     if cut is not None:
         probe.rollback(len(tokens) - cut)
         last = probe.step(tokens[cut:], every_row=False)[0]
     out = [last]
-    for _ in range(STEPS):
+    for _ in range(steps):
         out.append(probe.step([int(np.argmax(out[-1]))])[0])
     probe.rollback(probe.n)
     return out
@@ -102,10 +112,11 @@ def _run(probe: ProbeContext, tokens: list[int], cut: int | None) -> list[np.nda
 def reuse_exact_with_flash_attention(llm) -> bool:
     """Measured now (three prefills of 96 tokens, two short ones and nine one-token steps on ``llm``'s
     weights; the second cut only where the first holds)."""
-    probe = ProbeContext(llm, TEXT_TOKENS, flash_attn=True)
+    probe = ProbeContext(llm, TEXT_TOKENS, CELLS, flash_attn=True)
     try:
         tokens = probe_tokens(llm, TEXT_TOKENS)
-        cold = _run(probe, tokens, None)
-        return all(all(np.array_equal(a, b) for a, b in zip(cold, _run(probe, tokens, cut))) for cut in CUTS)
+        cold = reuse_logits(probe, tokens, None)
+        return all(all(np.array_equal(a, b) for a, b in zip(cold, reuse_logits(probe, tokens, cut)))
+                   for cut in CUTS)
     finally:
         probe.close()

@@ -29,6 +29,7 @@ from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.kvcache import growth, prompt_cache
+from localctx.kvcache.calibration import verify_costs
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -144,7 +145,8 @@ class LlamaCppSession(Session):
                      reuse_probe.cache_key(ref.path, type_k, type_v, self.settings.swa_full, n_threads))
         self.reuse_exact = reuse_probe.cached(probe_key) if probe_key else None
         self.settings = shift.settings_for(plan, cal, bool(self.reuse_exact))
-        self.verify_cost = cal.verify_step_cost if cal is not None else {}  # prompt lookup's prior
+        # prompt lookup's prior: the calibration's fp16 figure until verify_rows() measures this model and KV's
+        self.verify_cost = cal.verify_step_cost if cal is not None else {}
         log: list[str] = []
         try:
             with quiet_stderr(log):
@@ -375,15 +377,23 @@ class LlamaCppSession(Session):
 
     def verify_rows(self) -> int:
         """Rows a verify batch may have and give one-token decoding's logits bit for bit here
-        (speculate.exact_rows): remembered, else measured once and remembered."""
+        (speculate.exact_rows), and what a verify step of each length costs with this model and KV
+        (prompt lookup's prior, before the calibration's fp16 figure): remembered, else measured once
+        and remembered."""
         if self.exact_rows is None:
-            from localctx.backends.llamacpp.speculate import exact_rows  # prompt lookup only
+            from localctx.backends.llamacpp.speculate import ProbeTimes, exact_rows  # prompt lookup only
 
             key = self._rows_key(self.settings.flash_attn)
-            self.exact_rows = reuse_probe.cached(key, "verify-rows")
-            if self.exact_rows is None:
-                self.exact_rows = exact_rows(self.llm)
-                reuse_probe.remember(key, self.exact_rows, "verify-rows")
+            rows, costs = reuse_probe.cached(key, "verify-rows"), reuse_probe.cached(key, "verify-cost")
+            if rows is None or costs is None:
+                times = ProbeTimes()
+                rows = exact_rows(self.llm, times=times)
+                costs = {str(t): c for t, c in times.costs().items() if t <= rows}
+                reuse_probe.remember(key, rows, "verify-rows")
+                reuse_probe.remember(key, costs, "verify-cost")
+            self.exact_rows = rows
+            if costs:
+                self.verify_cost = verify_costs(costs)
         return self.exact_rows
 
     def _drafted_tokens(self, prompt_ids: list[int], params: GenerationParams, clock: StatsClock):

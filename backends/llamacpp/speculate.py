@@ -12,6 +12,8 @@ bit-for-bit the logits of one-token decoding; the session never drafts more than
 so prompt lookup's text is plain decoding's."""
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Sequence
 
 import numpy as np
@@ -95,11 +97,11 @@ def probe_tokens(llm, n: int) -> list[int]:
 
 
 class ProbeContext:
-    """A small llama.cpp context of its own on the session's weights, with the session's context
-    settings (KV types, flash attention unless ``flash_attn`` says otherwise, threads), so that a probe
-    leaves the session's cache alone (this one; reuse_probe.py)."""
+    """A small llama.cpp context of its own (``cells`` cells, batches of up to ``rows``) on the session's
+    weights, with the session's context settings (KV types, flash attention unless ``flash_attn`` says
+    otherwise, threads), so that a probe leaves the session's cache alone (this one; reuse_probe.py)."""
 
-    def __init__(self, llm, rows: int, flash_attn: bool | None = None, cells: int = 256):
+    def __init__(self, llm, rows: int, cells: int, flash_attn: bool | None = None):
         import llama_cpp
 
         self.lib = L = llama_cpp
@@ -137,19 +139,53 @@ class ProbeContext:
         self.lib.llama_free(self.ctx)
 
 
-def exact_rows_at(probe: ProbeContext, tokens: list[int], start: int, max_rows: int) -> int:
+class ProbeTimes:
+    """The probe's step times by where it started and how many rows the step had: what a verify step
+    of T rows costs in one-token steps with this model, KV and machine (``costs``), the draft planner's
+    prior (backends/generation/draft_policy.py). It is measured per model and KV because the KV type
+    matters: a q8_0 verify step costs more per row than the calibration's fp16 figures say
+    (docs/benchmarks-reuse.md, "What a verify step costs")."""
+
+    def __init__(self):
+        self.seconds: dict[int, dict[int, list[float]]] = {}  # start → rows → seconds
+
+    def add(self, start: int, rows: int, seconds: float) -> None:
+        self.seconds.setdefault(start, {}).setdefault(rows, []).append(seconds)
+
+    def costs(self) -> dict[int, float]:
+        """T → the median over the starts of a T-row step's time over the median one-token step's
+        there (at least 1)."""
+        ratios: dict[int, list[float]] = {}
+        for by_rows in self.seconds.values():
+            base = statistics.median(by_rows.get(1, [0.0]))
+            for rows, seconds in by_rows.items():
+                if rows > 1 and base > 0:
+                    ratios.setdefault(rows, []).append(max(1.0, min(seconds) / base))
+        return {t: round(statistics.median(r), 3) for t, r in sorted(ratios.items())}
+
+
+def exact_rows_at(probe: ProbeContext, tokens: list[int], start: int, max_rows: int,
+                  times: ProbeTimes | None = None) -> int:
     """The largest T ≤ ``max_rows`` such that every verify step of 2..T rows after ``tokens[:start]``
     (prefilled in one batch) gives the logits of one-token steps bit for bit, and the one-token step
-    after it too."""
+    after it too; ``times`` records how long each step took."""
+    times = times or ProbeTimes()
+
+    def timed(step_tokens: list[int]) -> np.ndarray:
+        started = time.perf_counter()
+        out = probe.step(step_tokens)
+        times.add(start, len(step_tokens), time.perf_counter() - started)
+        return out
+
     probe.rollback(probe.n)
     if start:
         probe.step(tokens[:start], every_row=False)
-    reference = np.concatenate([probe.step([t]) for t in tokens[start:start + max_rows + 1]])
+    reference = np.concatenate([timed([t]) for t in tokens[start:start + max_rows + 1]])
     probe.rollback(max_rows + 1)
 
     def exact(rows: int) -> bool:
-        batch = probe.step(tokens[start:start + rows])
-        after = probe.step([tokens[start + rows]])
+        batch = timed(tokens[start:start + rows])
+        after = timed([tokens[start + rows]])
         probe.rollback(rows + 1)
         return np.array_equal(batch, reference[:rows]) and np.array_equal(after[0], reference[rows])
 
@@ -159,20 +195,21 @@ def exact_rows_at(probe: ProbeContext, tokens: list[int], start: int, max_rows: 
     return best
 
 
-def exact_rows(llm, max_rows: int = MAX_DRAFT + 1) -> int:
+def exact_rows(llm, max_rows: int = MAX_DRAFT + 1, times: ProbeTimes | None = None) -> int:
     """The largest T ≤ ``max_rows`` for which a T-token verify step gives bit-for-bit the logits of
     T one-token steps, and leaves a cache from which the next one-token step's logits are bit-equal
     too: checked at the start of a short fixed text, after ``PROBE_OFFSET`` of its tokens and after
     ``PROBE_FAR``, in a context of the probe's own with ``llm``'s settings (the session's cache is not
-    touched; about 50 decode steps, and one prefill of PROBE_FAR tokens where the first two hold)."""
-    probe = ProbeContext(llm, PROBE_FAR, cells=PROBE_CELLS)
+    touched; about 50 decode steps, and one prefill of PROBE_FAR tokens where the first two hold).
+    ``times``: each step's time, for what a verify step costs (ProbeTimes.costs)."""
+    probe = ProbeContext(llm, PROBE_FAR, PROBE_CELLS)
     try:
         tokens = probe_tokens(llm, PROBE_FAR + max_rows + 1)
         best = max_rows
         for start in (0, PROBE_OFFSET, PROBE_FAR):
             if best < 2:
                 break
-            best = exact_rows_at(probe, tokens, start, best)
+            best = exact_rows_at(probe, tokens, start, best, times)
         return best
     finally:
         probe.close()

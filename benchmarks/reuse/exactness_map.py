@@ -6,8 +6,8 @@ session's weights and context settings, 1,024 cells) with flash attention on and
   batch (and the one-token step after it) gives the logits of T one-token steps bit for bit, as
   ``speculate.exact_rows`` measures it (1: no draft is exact there);
 - reuse: a text of N tokens prefilled in one batch, then cut back to P cached tokens and the rest
-  prefilled as a second batch, against the cold prefill: is the logit row after the prefill and after
-  each of 3 greedy steps bit-equal, and the largest difference if not (a prompt asked again is
+  prefilled as a second batch, against the cold prefill (``reuse_probe.reuse_logits``, as the session's
+  probe runs it): is the logit row after the prefill and after each of 3 greedy steps bit-equal, and the largest difference if not (a prompt asked again is
   N - P = 1 in llama-cpp-python, 2 in localctx: session.REPLAY); ``--sweep`` lists, without flash
   attention, the rests of 1..20 tokens after a few lengths whose reuse is not exact.
 
@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # bench_json
 from bench_json import emit  # noqa: E402
 from localctx.app.session_options import SessionRequest, open_session
-from localctx.backends.llamacpp import speculate
+from localctx.backends.llamacpp import reuse_probe, speculate
 from localctx.backends.llamacpp.speculate import ProbeContext, probe_tokens
 
 CELLS = 1024
@@ -43,18 +43,8 @@ def verify_rows(probe: ProbeContext, tokens: list[int], start: int) -> int:
 
 
 def reuse(probe: ProbeContext, tokens: list[int], n: int, cut: int) -> dict:
-    def run(first: int | None) -> list[np.ndarray]:
-        probe.rollback(probe.n)
-        last = probe.step(tokens[:n], every_row=False)[0]
-        if first is not None:
-            probe.rollback(n - first)
-            last = probe.step(tokens[first:n], every_row=False)[0]
-        out = [last]
-        for _ in range(3):
-            out.append(probe.step([int(np.argmax(out[-1]))])[0])
-        return out
-
-    cold, warm = run(None), run(cut)
+    cold = reuse_probe.reuse_logits(probe, tokens[:n], None)
+    warm = reuse_probe.reuse_logits(probe, tokens[:n], cut)
     diff = max(float(np.abs(a - b).max()) for a, b in zip(cold, warm))
     return {"n": n, "cached": cut, "rest": n - cut, "exact": diff == 0.0, "max_abs_diff": round(diff, 4)}
 
@@ -75,22 +65,22 @@ def main(argv=None) -> int:
         tokens = probe_tokens(s.llm, max(STARTS) + 12)
         settings = (True,) if s.plan.policy.quantized else (True, False)  # quantized V needs flash attention
         for fa in settings:
-            probe = ProbeContext(s.llm, max(max(STARTS), max(n for n, _ in REUSE)), flash_attn=fa, cells=CELLS)
+            probe = ProbeContext(s.llm, max(max(STARTS), max(n for n, _ in REUSE)), CELLS, flash_attn=fa)
             try:
                 verify = {str(start): verify_rows(probe, tokens, start) for start in STARTS}
                 reused = [reuse(probe, tokens, n, cut) for n, cut in REUSE]
             finally:
                 probe.close()
             result["by_flash_attention"]["on" if fa else "off"] = {"verify_exact_rows_at": verify, "reuse": reused}
+            print(f"flash attention {'on' if fa else 'off'}: verify rows by start {verify}", file=sys.stderr)
         if args.sweep and not s.plan.policy.quantized:
-            probe = ProbeContext(s.llm, max(SWEEP_LENGTHS), flash_attn=False, cells=CELLS)
+            probe = ProbeContext(s.llm, max(SWEEP_LENGTHS), CELLS, flash_attn=False)
             try:
                 result["sweep_flash_attention_off"] = {
                     str(n): [d for d in SWEEP_RESTS if not reuse(probe, tokens, n, n - d)["exact"]]
                     for n in SWEEP_LENGTHS}  # the rests whose reuse is not exact
             finally:
                 probe.close()
-            print(f"flash attention {'on' if fa else 'off'}: verify rows by start {verify}", file=sys.stderr)
     emit(result, args.json)
     return 0
 

@@ -12,6 +12,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 from textual.widgets.markdown import MarkdownBlock
 
+from localctx.app.chat import frames
 from localctx.app.chat.screens.chat_screen import ChatScreen
 from localctx.app.chat.widgets import conversation
 from localctx.app.chat.widgets.cache_panel import CachePanel
@@ -56,6 +57,9 @@ def test_a_frame_arranges_as_many_blocks_at_the_end_of_a_long_answer_as_at_its_s
 
     monkeypatch.setattr(Widget, "get_content_height", counting_height)
     monkeypatch.setattr(ChatScreen, "draw_frame", counting_draw)
+    # the test releases each frame's paragraph itself, so the pacer need not space frames by their cost
+    # (its 2-second ceiling, reached by a slow test host's frames, made this test take 50 of them)
+    monkeypatch.setattr(frames, "MAX_INTERVAL", frames.FRAME_INTERVAL)
     session = SteppedSession()
     app = make_app(history, session)
 

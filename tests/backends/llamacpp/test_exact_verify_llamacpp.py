@@ -160,3 +160,34 @@ def test_prompt_lookup_on_gemma3_keeps_plain_decodings_text(gemma3_path, monkeyp
             accepted += events[-1].stats.accepted_tokens
         assert 1 <= s.exact_rows <= MAX_DRAFT + 1 and max(seen, default=1) <= s.exact_rows
     assert (accepted > 0) == (s.exact_rows >= 2)
+
+
+@pytest.mark.fresh_probes
+def test_the_rows_probe_times_its_verify_steps_and_the_session_drafts_by_that_cost(monkeypatch):
+    """What a verify step costs depends on the KV type, so the probe that finds the exact rows also times
+    them, per model and KV, and prompt lookup weighs drafts by that before the calibration's fp16 figure."""
+    import localctx.backends.llamacpp.speculate as speculate
+
+    request = SessionRequest(model=None, backend="llamacpp", kv="int8", context=512)
+    with open_session(request) as s:
+        calibrated = dict(s.verify_cost)
+        rows = s.verify_rows()
+        measured = dict(s.verify_cost)
+    if rows < 2:
+        pytest.skip(f"no exact verify rows for int8 on this CPU ({rows})")
+    assert set(measured) == set(range(2, rows + 1)) and all(c >= 1.0 for c in measured.values())
+    assert measured != calibrated
+    from localctx.backends.generation import speculation
+
+    monkeypatch.setattr(speculate, "exact_rows", lambda *a, **k: pytest.fail("probed again"))
+    priors, real_planner = [], speculation.DraftPlanner
+
+    def planner(max_draft, verify_cost=None):
+        priors.append(verify_cost)
+        return real_planner(max_draft, verify_cost)
+
+    monkeypatch.setattr(speculation, "DraftPlanner", planner)
+    with open_session(request) as s:
+        assert s.verify_rows() == rows and s.verify_cost == measured  # remembered, both
+        list(s.generate(COPY, GenerationParams(max_tokens=4, speculate="ngram")))
+    assert priors == [measured]  # the draft planner's prior

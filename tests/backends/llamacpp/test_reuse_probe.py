@@ -41,8 +41,8 @@ def test_exact_only_when_the_second_batch_gives_the_cold_runs_logits():
     tokens = list(range(1, reuse_probe.TEXT_TOKENS + 1))
     for rounding, exact in ((False, True), (True, False)):
         probe = FakeContext(rounding)
-        cold = reuse_probe._run(probe, tokens, None)
-        reused = reuse_probe._run(probe, tokens, reuse_probe.CUTS[0])
+        cold = reuse_probe.reuse_logits(probe, tokens, None)
+        reused = reuse_probe.reuse_logits(probe, tokens, reuse_probe.CUTS[0])
         assert probe.n == 0 and len(cold) == reuse_probe.STEPS + 1
         assert all(np.array_equal(a, b) for a, b in zip(cold, reused)) is exact
 
@@ -86,3 +86,35 @@ def test_the_key_of_a_verdict_measured_under_a_flash_attention_setting_names_it(
     model.write_bytes(b"GGUF" + b"m" * 100)
     keys = {reuse_probe.cache_key(model, 1, 1, False, 2, fa) for fa in (None, True, False)}
     assert len(keys) == 3
+
+
+def test_verify_costs_are_remembered_as_a_mapping_and_damage_is_not_used():
+    # keys of this test's own (the probes' verdicts carry over from test to test: conftest.py)
+    reuse_probe.remember("costs", {"2": 2.1, "3": 2.6}, "verify-cost")
+    assert reuse_probe.cached("costs", "verify-cost") == {"2": 2.1, "3": 2.6}
+    assert reuse_probe.cached("costs", "verify-rows") is None and reuse_probe.cached("costs") is None
+    for bad in ({"2": 0.5}, {"1": 2.0}, {"2": "fast"}, {"two": 2.0}):  # under one plain step, one row, not numbers
+        reuse_probe.remember("damaged", bad, "verify-cost")
+        assert reuse_probe.cached("damaged", "verify-cost") is None, bad
+    reuse_probe.remember("count", 3, "verify-rows")  # a count is not a mapping of costs
+    reuse_probe.verdict_path("count", "verify-cost").write_text(
+        reuse_probe.verdict_path("count", "verify-rows").read_text())
+    assert reuse_probe.cached("count", "verify-cost") is None
+
+
+def test_a_verify_steps_cost_is_its_time_over_the_one_token_steps_at_the_same_start():
+    from localctx.backends.llamacpp.speculate import ProbeTimes
+
+    times = ProbeTimes()
+    for start, plain, two, three in ((0, [0.010, 0.011, 0.030], [0.022, 0.021], [0.030]),  # a slow first step
+                                     (6, [0.010, 0.010], [0.020], [0.035]),
+                                     (300, [0.020, 0.020, 0.020], [0.038], [])):  # a longer context: slower
+        for s in plain:
+            times.add(start, 1, s)
+        for s in two:
+            times.add(start, 2, s)
+        for s in three:
+            times.add(start, 3, s)
+    times.add(300, 4, 0.015)  # faster than a one-token step (a busy moment in the one-token steps): one step
+    # T = 2: 0.021 / 0.011, 0.020 / 0.010, 0.038 / 0.020 → median 1.909; T = 3: 0.030 / 0.011, 0.035 / 0.010
+    assert times.costs() == {2: 1.909, 3: round((0.030 / 0.011 + 3.5) / 2, 3), 4: 1.0}
