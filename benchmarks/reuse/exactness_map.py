@@ -7,9 +7,10 @@ session's weights and context settings, 1,024 cells) with flash attention on and
   ``speculate.exact_rows`` measures it (1: no draft is exact there);
 - reuse: a text of N tokens prefilled in one batch, then cut back to P cached tokens and the rest
   prefilled as a second batch, against the cold prefill (``reuse_probe.reuse_logits``, as the session's
-  probe runs it): is the logit row after the prefill and after each of 3 greedy steps bit-equal, and the largest difference if not (a prompt asked again is
-  N - P = 1 in llama-cpp-python, 2 in localctx: session.REPLAY); ``--sweep`` lists, without flash
-  attention, the rests of 1..20 tokens after a few lengths whose reuse is not exact.
+  probe runs it): is the logit row after the prefill and after each of 3 greedy steps bit-equal, and
+  the largest difference if not (a prompt asked again is N - P = 1 in llama-cpp-python, 2 in localctx:
+  session.REPLAY); ``--sweep`` lists, without flash attention, the rests of 1..20 tokens after a few
+  lengths whose reuse is not exact.
 
     python benchmarks/reuse/exactness_map.py --kv fp16 --json docs/results/reuse/exactness-map-smollm2-fp16.json
 """
