@@ -163,7 +163,7 @@ class ChatScreen(Screen):
     async def frame_ready(self, message: FrameReady) -> None:
         """Draws now if a frame is due (or the answer ended), else when the pacer says it is."""
         frames = self.frames
-        if frames is None:
+        if frames is None or self.answer is None:  # no answer streams: a wake-up after its last frame
             return
         wait = self.pacer.wait()
         if wait <= 0 or frames.finished:
