@@ -385,7 +385,7 @@ class LlamaCppSession(Session):
 
             key = self._rows_key(self.settings.flash_attn)
             rows, costs = reuse_probe.cached(key, "verify-rows"), reuse_probe.cached(key, "verify-cost")
-            if rows is None or costs is None:
+            if rows is None or (costs is None and rows >= 2):  # costs only matter where a draft may run
                 times = ProbeTimes()
                 rows = exact_rows(self.llm, times=times)
                 costs = {str(t): c for t, c in times.costs().items() if t <= rows}
