@@ -156,6 +156,36 @@ def _partial_tail(text: str, marker: str) -> int:
     return 0
 
 
+def _value_end(text: str, start: int) -> int | None:
+    """The index just past the JSON value that begins at ``start`` (None while it has not ended). Brackets
+    are counted outside strings only: a forced call's grammar lets a string hold anything, the close tag
+    "</tool_call>" and unbalanced braces included, so the first close tag is not where the arguments end."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                if depth == 0:
+                    return i + 1
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}],":
+            if depth == 0:  # a number or literal at the top ended before this
+                return i
+            if c != ",":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+    return None
+
+
 def _call(obj, fmt: ToolFormat, names: set[str]) -> tuple[str, str] | None:
     """(name, arguments JSON) of one call's object, or None when it is not a call of a known function."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
@@ -256,17 +286,19 @@ class CallReader:
                 block = self.buf if j < 0 else self.buf[:j]
                 out += self._whole(block, _OPEN + self.buf[:len(self.buf) if j < 0 else j + len(_CLOSE)])
                 self.buf, self.state = ("" if j < 0 else self.buf[j + len(_CLOSE):]), "text"
-            else:  # arguments, streamed: everything but what may still be the object's end and the close tag
-                j = self.buf.find(_CLOSE)
-                ended = j >= 0 or final
-                raw = (self.buf[:j] if j >= 0 else self.buf).lstrip()
-                if not ended:
-                    raw = raw[:len(raw) - _partial_tail(raw, _CLOSE)]
-                shown = re.sub(r"\s*\}?\s*$", "", raw) if not ended else re.sub(r"\s*\}\s*$", "", raw.rstrip())
-                if shown.startswith(self.sent) and len(shown) > len(self.sent):
+            elif self.state == "arguments":  # streamed (grammar-constrained) up to the end of the JSON value
+                start = len(self.buf) - len(self.buf.lstrip())
+                end = _value_end(self.buf, start)
+                shown = self.buf[start:] if end is None else self.buf[start:end].rstrip()
+                if len(shown) > len(self.sent):
                     out.append(Piece("arguments", shown[len(self.sent):]))
                     self.sent = shown
-                if not ended:
+                if end is None and not final:
+                    return out
+                self.buf, self.state = ("" if end is None else self.buf[end:]), "closing"
+            else:  # closing: the call object's "}" and the close tag after its arguments
+                j = self.buf.find(_CLOSE)
+                if j < 0 and not final:
                     return out
                 self.buf, self.state = ("" if j < 0 else self.buf[j + len(_CLOSE):]), "text"
 

@@ -113,6 +113,22 @@ def test_streamed_arguments_come_as_they_are_generated():
     assert reader.feed("call>") + reader.finish() == []
 
 
+def test_a_forced_calls_arguments_end_where_their_json_ends_not_at_a_close_tag_inside_a_string():
+    """A forced call's grammar lets a string hold anything: a sampled SmolLM2 call once wrote the city
+    "Paris'}}\n</tool_call>" before closing it, and the reader, ending the arguments at the first close
+    tag, passed on '{"city": "Paris\'}' (not JSON)."""
+    city = "Paris'}}\n</tool_call>\n{\"x\": [1, \"]\"]} \\"
+    answer = ('<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps({"city": city, "n": [1, {"a": -2.5}]})
+              + '}\n</tool_call>')
+    want = ("", [("get_weather", {"city": city, "n": [1, {"a": -2.5}]})])
+    for cuts in [[]] + [[c] for c in range(1, len(answer))] + [list(range(1, len(answer)))]:
+        assert _collect(_pieces_split(answer, CallReader(HERMES, ["get_weather"], True), cuts)) == want
+    _content, calls = read_all(answer, HERMES, ["get_weather"], streaming_arguments=True)
+    assert json.loads(calls[0][2]) == want[1][0][1]
+    cut_short = read_all(answer[:60], HERMES, ["get_weather"], streaming_arguments=True)  # max_tokens inside the value
+    assert cut_short[1][0][2] == answer[answer.index('{"city"'):60]
+
+
 def test_what_is_not_a_call_of_a_known_function_stays_text():
     for text in ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', "<tool_call>\nnot json\n</tool_call>",
                  "a < b and <tool", "<tool_call>{\"name\": \"get_weather\""):
