@@ -40,6 +40,9 @@ GGML_X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # never compiled in: llama.cpp's worker threads run tile instructions without the kernel's permission
 GGML_DISABLED_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+# llama-cpp-python's multimodal library (llama.cpp's mtmd: clip and ~50 vision/audio encoders), which
+# localctx never loads; leaving it out takes a quarter off the build's CPU time (12m56s -> 9m49s here)
+SKIPPED_LIBRARIES = ("LLAVA_BUILD",)
 
 
 def is_x86_64() -> bool:
@@ -71,7 +74,7 @@ def cmake_args(flags: frozenset[str] | None = None, x86_64: bool | None = None) 
     options = ["-DGGML_NATIVE=OFF"]
     for option, needs in GGML_X86_OPTIONS:
         options.append(f"-D{option}={'ON' if all(f in flags for f in needs) else 'OFF'}")
-    options.extend(f"-D{option}=OFF" for option in GGML_DISABLED_OPTIONS)
+    options.extend(f"-D{option}=OFF" for option in GGML_DISABLED_OPTIONS + SKIPPED_LIBRARIES)
     return " ".join(options)
 
 

@@ -137,6 +137,7 @@ def test_build_flags_keep_every_simd_extension_of_the_cpu_and_never_amx():
     assert on == {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2", "GGML_AVX_VNNI",
                   "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"}
     assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+    assert "-DLLAVA_BUILD=OFF" in args  # the multimodal library localctx never loads is not built
     # ggml's AVX512 option compiles with F, CD, VL, DQ and BW: a CPU without BW does not get it
     assert "-DGGML_AVX512=OFF" in build_flags.cmake_args(SAPPHIRE_RAPIDS - {"avx512bw"}, x86_64=True)
     assert build_flags.cmake_args(frozenset({"fp", "asimd", "sve"}), x86_64=False) == ""  # ARM: llama.cpp's defaults
