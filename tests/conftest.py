@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports mlx.core, as in every localctx process that runs MLX: the MLX backend
+# points MLX at a system OpenBLAS where there is one (backends/mlx/blas.py).
+import localctx.backends.mlx  # noqa: E402,F401
+
 
 # The fake backend is a test double: the CLI does not offer it. The suite registers it for itself
 # and for every process it starts, through the registry's plugin variable (backends/registry.py).

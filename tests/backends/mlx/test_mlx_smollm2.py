@@ -139,12 +139,13 @@ def test_policy_cache_attends_as_the_reference_decodes(smol, text_tokens, text, 
         assert all(len(layer.q_ids) for layer in cache.layers)
     a, scale = loaded.model.args, loaded.model.model.layers[0].self_attn.scale
     shape = CacheShape(a.n_kv_heads, a.head_dim, mx.float16, a.traditional_rope)
-    worst = effect = 0.0
+    worst = effect = noise = 0.0
     for layer, log in zip(cache.layers, calls):
         got = np.concatenate([np.array(out) for *_, out in log], axis=1)
         ref = ReferenceLayerCache(policy, shape, loaded.inv_freq)
         want = _replay(ref, log, scale)
         worst = max(worst, float(np.abs(got - want).max()))
+        noise = max(noise, float(np.abs(got - want).mean()))
         kept = np.concatenate([layer.q_ids, layer.f_ids])
         np.testing.assert_array_equal(np.sort(kept), ref.kept_ids())
         np.testing.assert_array_equal(np.sort(layer.q_ids), np.flatnonzero(ref.quantized & ref.kept))
@@ -155,5 +156,7 @@ def test_policy_cache_attends_as_the_reference_decodes(smol, text_tokens, text, 
             full = _replay(LayerCache(KVPolicy(), shape, loaded.inv_freq), log, scale)
             effect = max(effect, float(np.abs(want - full).mean()))
     assert worst < 1e-4  # measured 8.5e-6 (int8+sink4+win32) and 2.3e-6 (int4+res8+sink4+win40+heavy32)
-    if not policy.exact:  # the policy really changed what attention saw, far beyond the noise
-        assert effect > 100 * worst
+    # the policy really changed what attention saw, far beyond the noise, both as a mean per layer
+    # (measured on this AVX2 host: noise ≤ 1.1e-7; effect 6.0e-4 for int8, 7.9e-4 for int4+res128, up to 0.05)
+    if not policy.exact:
+        assert effect > 1000 * noise
