@@ -32,6 +32,7 @@ from localctx.backends.llamacpp import shift
 from localctx.backends.llamacpp.allocation import held_bytes
 from localctx.backends.llamacpp.batch import CONTEXT_PAD, BatchDecoder, DecodeSequence, KVTypes, sampler_chain
 from localctx.backends.llamacpp.cache_reuse import move_runs, plan_moves
+from localctx.backends.llamacpp.session import REPLAY
 from localctx.backends.generation.slots import Slot, SlotStreams, choose_slot, common_prefix
 from localctx.backends.generation.stream_source import StreamFailed
 from localctx.backends.generation.decode_loop import KVProbe, stream
@@ -161,7 +162,9 @@ class LlamaSlots(SlotStreams):
                 move_runs(self.llama_cpp, self.decoder.memory, slot.seq_id, moves)
                 shared = moves[-1].dst + moves[-1].n
                 slot.history[:] = ids[:shared]
-            reused = min(shared, len(ids) - 1)  # at least one token is decoded, for the logits
+            # the prompt's last REPLAY tokens are prefilled again (at least one, for the logits): a one-row
+            # batch takes other kernels than the cold run's last rows (session.REPLAY); moved runs are lossy
+            reused = max(0, min(shared, len(ids) - (1 if moves else REPLAY)))
             self._forget(slot, reused)
         except BaseException:
             self.llama_cpp.llama_sampler_free(sampler)

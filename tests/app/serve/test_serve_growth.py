@@ -52,11 +52,12 @@ def interleaved(slots) -> tuple[list[int], list[int]]:
 
 
 def follow_up(slots) -> tuple[list[int], int, int]:
-    """A follow-up to the longest conversation a slot holds (its tokens and one more): (tokens, cached
+    """A follow-up to the longest conversation a slot holds (its tokens and two more, so that llama.cpp's
+    two replayed rows are new ones: session.REPLAY): (tokens, cached
     tokens, tokens the slot held)."""
     held = max(slots.slots, key=lambda s: len(s.history)).history
     n_held = len(held)
-    stream, _ = slots.start(None, GenerationParams(max_tokens=8, ignore_eos=True), None, ids=held + held[-1:])
+    stream, _ = slots.start(None, GenerationParams(max_tokens=8, ignore_eos=True), None, ids=held + held[-2:])
     tokens, done = [], None
     while slots.active:
         for _, e in slots.step():
