@@ -94,8 +94,11 @@ def read_schema(path: str) -> OutputConstraint:
 
 
 def speculation_words(stats: GenerationStats) -> str:
-    """", prompt lookup 2.4 tok/step (31 of 40 drafted accepted)", or ", prompt lookup off" where auto
+    """", prompt lookup 2.4 tok/step (31 of 40 drafted accepted)", ", prompt lookup drafted nothing" (no
+    text to copy from, or no draft worth its verify cost), or ", prompt lookup off" where auto
     could not run it exactly (the reason is in --json's stats.speculate: one line stays short)."""
+    if stats.speculate == "ngram" and not stats.drafted_tokens:  # each step was plain: no tok/step to show
+        return ", prompt lookup drafted nothing"
     if stats.speculate == "ngram":
         return (f", prompt lookup {stats.tokens_per_step:.2f} tok/step "
                 f"({stats.accepted_tokens} of {stats.drafted_tokens} drafted accepted)")

@@ -51,3 +51,18 @@ def test_stats_line_and_timings(cli, tiny):
     out = run_json(cli, tiny, "--timings")
     assert {"header", "plan", "load", "template", "template, prefill and first token"} <= set(out["timings"])
     assert all(seconds >= 0 for seconds in out["timings"].values())
+
+
+def test_the_stats_line_says_what_prompt_lookup_did():
+    """An answer whose steps were all plain says so: it read "0.98 tok/step (0 of 0 drafted accepted)",
+    the stop token's step counted against the tokens shown."""
+    from localctx.app.commands.run import speculation_words
+    from localctx.backends.base import GenerationStats
+    plain = GenerationStats("llamacpp", "int8", speculate="ngram", generated_tokens=48, decode_steps=48)
+    assert speculation_words(plain) == ", prompt lookup drafted nothing"
+    copied = GenerationStats("llamacpp", "int8", speculate="ngram", generated_tokens=41, decode_steps=16,
+                             drafted_tokens=30, accepted_tokens=24)
+    assert speculation_words(copied) == ", prompt lookup 2.50 tok/step (24 of 30 drafted accepted)"
+    refused = GenerationStats("llamacpp", "int8", speculate="off (heavy hitters)")
+    assert speculation_words(refused) == ", prompt lookup off"
+    assert speculation_words(GenerationStats("llamacpp", "int8")) == ""
