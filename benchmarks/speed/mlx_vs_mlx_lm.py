@@ -11,7 +11,9 @@ max tokens long); its decode tok/s is the figure `run --json` reports, its KV by
 object's weights as the backend loads them (off Metal: quantized layers expanded to float32,
 ``LoadOptions.dequantize``). mlx-lm's side is
 ``mlx_lm.generate.generate_step`` (the loop inside ``mlx_lm.generate``) with the same KV settings:
-its KVCache, or ``kv_bits`` 8/4 with group 64 from the first token. Prints one JSON object."""
+its KVCache, or ``kv_bits`` 8/4 with group 64 from the first token. Both sides call the BLAS `localctx run`
+gives MLX (backends/mlx/blas.py: on Linux a system OpenBLAS where one is installed; ``blas`` in the JSON).
+Prints one JSON object."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from localctx.backends.mlx.blas import use_system_openblas  # noqa: I001  (before mlx.core)
 import mlx.core as mx
 
 from localctx.backends.base import GenerationParams
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {"command": " ".join(["python benchmarks/speed/mlx_vs_mlx_lm.py", *given]),
                "model": path.name, "converted": str(folder.name), "prompt_tokens": len(ids), "decode_tokens": args.decode,
                "reps": args.reps, "host": platform.platform(), "cpu_count": os.cpu_count(),
-               "metal": mx.metal.is_available(), "mlx": mx.__version__, "loadavg_before": load_before,
+               "metal": mx.metal.is_available(), "mlx": mx.__version__,
+               "blas": use_system_openblas().library or "bundled", "loadavg_before": load_before,
                "loadavg_after": os.getloadavg(), "loadavg_1min_after_each_rep": load_during, "results": {}}
         import mlx_lm
 
