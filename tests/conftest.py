@@ -1,6 +1,7 @@
 """Shared fixtures: the bundled model, an isolated user environment, and a CLI runner."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import sys
@@ -10,7 +11,11 @@ from pathlib import Path
 import pytest
 
 # Before any test module imports mlx.core, as in every localctx process that runs MLX: the MLX backend
-# points MLX at a system OpenBLAS where there is one (backends/mlx/blas.py).
+# points MLX at a system OpenBLAS where there is one (backends/mlx/blas.py). torch first where it is
+# installed: a library loaded after that OpenBLAS binds its BLAS calls to it (torch's MKL sgemm_ would),
+# and the torch tests should run on torch's own BLAS, as a torch-only process does.
+if importlib.util.find_spec("torch") is not None:
+    import torch  # noqa: E402,F401
 import localctx.backends.mlx  # noqa: E402,F401
 
 

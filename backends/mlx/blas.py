@@ -11,7 +11,10 @@ It is done once, by ``localctx.backends.mlx``'s ``__init__`` (every MLX path in 
 ``mlx.core``). Nothing changes on macOS (MLX uses Accelerate there), where no LP64 OpenBLAS is
 installed (Debian/Ubuntu: ``apt install libopenblas0``), where ``mlx.core`` was imported first, or with
 ``LOCALCTX_MLX_BLAS=bundled``. The results differ from the reference BLAS's only in float32 summation
-order."""
+order. The OpenBLAS stays in the process's global scope: a library loaded after it that calls BLAS
+through the dynamic linker binds to it too (torch's MKL ``sgemm_`` does), while one loaded before keeps
+its own; localctx loads one engine per process (backends/registry.py), and the test suite imports torch
+first (tests/conftest.py)."""
 from __future__ import annotations
 
 import ctypes

@@ -24,9 +24,21 @@ a, b = rng.standard_normal((64, 4096), dtype=np.float32), rng.standard_normal((4
 got = np.array(mx.array(a) @ mx.array(b))
 want = a.astype(np.float64) @ b.astype(np.float64)
 maps = open("/proc/self/maps").read()
+torch_digest = None
+if "torch" in sys.modules:
+    import torch
+    torch.set_num_threads(1)
+    torch_digest = hashlib.sha256((torch.from_numpy(a) @ torch.from_numpy(b)).numpy().tobytes()).hexdigest()
 print(json.dumps({{"library": use_system_openblas().library, "reason": use_system_openblas().reason,
                   "mapped": "libopenblas" in maps, "err": float(np.abs(got - want).max()),
-                  "digest": hashlib.sha256(got.tobytes()).hexdigest()}}))
+                  "digest": hashlib.sha256(got.tobytes()).hexdigest(), "torch": torch_digest}}))
+"""
+TORCH_ALONE = """
+import hashlib, numpy as np, torch
+torch.set_num_threads(1)
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((64, 4096), dtype=np.float32), rng.standard_normal((4096, 96), dtype=np.float32)
+print(hashlib.sha256((torch.from_numpy(a) @ torch.from_numpy(b)).numpy().tobytes()).hexdigest())
 """
 
 
@@ -49,3 +61,13 @@ def test_mlx_multiplies_with_the_system_openblas_unless_told_or_too_late():
     # the reference BLAS sums each dot product in order; OpenBLAS in blocks: other bits, so MLX really
     # called the library it says it did
     assert bundled["digest"] == late["digest"] != fast["digest"]
+
+
+def test_torch_imported_first_keeps_its_own_blas_beside_mlx_on_openblas():
+    """What tests/conftest.py relies on: torch binds its BLAS calls as it loads, so the OpenBLAS loaded
+    for MLX after it changes MLX's products and not torch's."""
+    pytest.importorskip("torch", reason="the torch backend needs torch")
+    both = _product(first="import torch")
+    alone = subprocess.run([sys.executable, "-c", TORCH_ALONE], capture_output=True, text=True, timeout=120, check=True)
+    assert both["library"] and both["digest"] == _product()["digest"]
+    assert both["torch"] == alone.stdout.strip()
