@@ -18,6 +18,7 @@ import numpy as np
 
 from localctx.backends.base import GenerationParams
 from localctx.backends.mlx.backend import MLXBackend
+from localctx.backends.mlx.blas import use_system_openblas
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import resolve
 from localctx.kvcache.plan import Plan
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(_mlx_run(session, tokens, args.decode))
     base = {k: statistics.median(r[k] for r in runs["llama.cpp"]) for k in ("prefill_tok_s", "decode_tok_s")}
     out = {"machine": f"{platform.machine()} {platform.system()}, Metal: {mx.metal.is_available()}",
+           "blas": use_system_openblas().library or "bundled",  # what MLX's matmuls call (backends/mlx/blas.py)
            "model": spec.name, "prompt_tokens": len(tokens), "decode_tokens": args.decode, "reps": args.reps,
            "results": {}}
     for name, rs in runs.items():
