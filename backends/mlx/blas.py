@@ -1,11 +1,11 @@
 """Which BLAS MLX's CPU code calls on Linux.
 
-MLX's Linux CPU wheel (mlx-cpu) bundles the netlib reference BLAS. Its sgemm runs at about 1.5 GFLOP/s
-on this project's 2-core AVX2 host, so MLX on Linux spends ~150 ms of every token in matrix products
-for a 135M model; OpenBLAS computes the same products at ~100 GFLOP/s (`python
-benchmarks/speed/mlx_blas.py` prints both). Loading a system OpenBLAS with RTLD_GLOBAL before ``mlx.core`` is first
-imported makes MLX's ``cblas_*`` and LAPACK calls resolve to it: the dynamic linker looks a library's
-symbols up in the global scope before that library's own dependencies.
+MLX's Linux CPU wheel (mlx-cpu) bundles the netlib reference BLAS. On this project's 2-core AVX2 host its
+float32 matmul runs at 1.9 GFLOP/s and OpenBLAS's at 136; the bundled SmolLM2 prefills at 5 tok/s on the
+first and 166 on the second (docs/benchmarks-mlx.md, "Which BLAS MLX calls on Linux"). Loading a system
+OpenBLAS with RTLD_GLOBAL before ``mlx.core`` is first imported makes MLX's ``cblas_*`` and LAPACK calls
+resolve to it: the dynamic linker looks a library's symbols up in the global scope before that library's
+own dependencies.
 
 It is done once, by ``localctx.backends.mlx``'s ``__init__`` (every MLX path in localctx imports it before
 ``mlx.core``). Nothing changes on macOS (MLX uses Accelerate there), where no LP64 OpenBLAS is
