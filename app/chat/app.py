@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import sys
 
 from textual.app import App
@@ -19,26 +18,6 @@ from localctx.app.chat.worker_process import ProcessEngine
 # takes ~13 ms at 76 tok/s); 0.5 ms hands it back at once (docs/benchmarks.md, "The chat against
 # `localctx run`").
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-# The scheduling priority the UI process gives up once the model decodes in its own process
-# (worker_process.py): llama.cpp's threads use every core and spin-wait for each other, so a core the UI
-# takes while an answer streams stalls them all. Under Linux's default scheduler, nice 10 gives the decoder
-# the cores first and the UI the gaps: on 2 cores the chat decoded at 0.87x `localctx run` and now at
-# ~0.96x, while keys still echo at once (docs/benchmarks.md, "The chat against `localctx run`").
-UI_NICE = 10
-
-
-def yield_to_model(increment: int = UI_NICE) -> None:
-    """Lowers this thread's priority (and that of the threads it starts later: Textual's) by ``increment``.
-    `localctx chat` calls it once its model process has started (a child inherits its parent's priority)
-    and before the app runs. No-op where the OS has no nice values; a refusal is ignored."""
-    if os.name != "posix" or increment <= 0:
-        return
-    try:
-        os.nice(increment)
-    except OSError:
-        pass
 
 
 def freeze_startup_objects() -> None:

@@ -49,7 +49,7 @@ def params_from(args: argparse.Namespace) -> GenerationParams:
 
 def handle(args: argparse.Namespace) -> int:
     # imported here so that other commands do not pay for Textual
-    from localctx.app.chat.app import ChatApp, yield_to_model
+    from localctx.app.chat.app import ChatApp
     from localctx.app.chat.setup import ChatSetup
     from localctx.app.chat.worker_process import Opener
     from localctx.app.history import History
@@ -71,8 +71,6 @@ def handle(args: argparse.Namespace) -> int:
                       # a local model decodes in a child process; a remote one is only an HTTP client
                       opener=Opener(planned, request) if planned.opened is None else None)
     app = ChatApp(setup)  # the model loads in a child process while the screen comes up
-    if setup.opener is not None:
-        yield_to_model()  # the model's process started at the priority it had
     try:
         app.run()
     finally:

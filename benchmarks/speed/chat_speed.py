@@ -41,7 +41,7 @@ STATS_LINE = re.compile(r"\[(\d+) prompt tokens, (\d+) generated, prefill ([\d.]
 # One chat answer in this process: the real ChatApp (as `localctx chat` builds it) under Textual's pilot.
 CHAT_ONCE = r'''
 import asyncio, json, sys, time
-from localctx.app.chat.app import ChatApp, yield_to_model
+from localctx.app.chat.app import ChatApp
 from localctx.app.chat.setup import ChatSetup
 from localctx.app.chat.widgets.conversation import Answer
 from localctx.app.chat.worker_process import Opener
@@ -57,7 +57,6 @@ history, _ = History.open()
 app = ChatApp(ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name, reopen=None,
                         history=history, params=GenerationParams(max_tokens=max_tokens, temperature=0.0),
                         hardware=describe_hardware(), opener=Opener(planned, request)))
-yield_to_model(int(sys.argv[5]))  # as `localctx chat` does once its model process has started
 stamps = []
 real_append = Answer.append
 async def append(self, fragment):
@@ -180,8 +179,8 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
             "wall_tok_s": (generated - 1) / (last - first), "startup_s": first - start}
 
 
-def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict, ui_nice: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens), str(ui_nice)],
+def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens)],
                          capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"the headless chat failed:\n{out.stderr}")
@@ -241,11 +240,7 @@ def write(out: Path, args: argparse.Namespace, pairs: list[dict]) -> dict:
                if key in pairs[0]}
     result = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "prompt": PROMPT,
               "max_tokens": args.max_tokens, "model": Path(args.model).name, "cpus": os.cpu_count(),
-              "load_average_at_end": os.getloadavg(), "ui_nice": args.ui_nice,
-              # SCHED_RR under `chrt -r 1`: every process at one real-time priority, where nice changes nothing
-              "scheduler": {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_RR: "SCHED_RR", os.SCHED_FIFO: "SCHED_FIFO"}.get(
-                  os.sched_getscheduler(0), str(os.sched_getscheduler(0))),
-              "pairs": pairs, "median": summary}
+              "load_average_at_end": os.getloadavg(), "pairs": pairs, "median": summary}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(out)
@@ -261,8 +256,6 @@ def main() -> None:
     ap.add_argument("--kv", default=None, help="KV policy for both (default: planned)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--out", default=None, help="JSON path (default docs/results/run-chat/benchmarks-chat.json, -ui.json with --ui-cost)")
-    ap.add_argument("--ui-nice", type=int, default=None,
-                    help="the chat UI's nice increment (default app.chat.app.UI_NICE, as `localctx chat`; 0: none)")
     ap.add_argument("--no-ready", action="store_true", help="skip the tmux startup timing (decode only)")
     ap.add_argument("--ui-cost", action="store_true", help="measure the UI thread's cost per token instead (no model)")
     args = ap.parse_args()
@@ -270,10 +263,6 @@ def main() -> None:
         ui_cost(Path(args.out or "docs/results/run-chat/benchmarks-chat-ui.json"))
         return
     args.out = args.out or "docs/results/run-chat/benchmarks-chat.json"
-    if args.ui_nice is None:
-        from localctx.app.chat.app import UI_NICE
-        args.ui_nice = UI_NICE
-    ui_nice = args.ui_nice
     pairs = []
     with tempfile.TemporaryDirectory() as data:
         env = dict(os.environ, LOCALCTX_DATA_DIR=data, TERM="xterm-256color")
@@ -285,7 +274,7 @@ def main() -> None:
                 if side == "run":
                     pair["run"] = run_answer(args.model, args.kv, args.max_tokens, env)
                 else:
-                    pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env, ui_nice)
+                    pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env)
                     if not args.no_ready:
                         pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
             pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
