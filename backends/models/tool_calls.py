@@ -156,34 +156,41 @@ def _partial_tail(text: str, marker: str) -> int:
     return 0
 
 
-def _value_end(text: str, start: int) -> int | None:
-    """The index just past the JSON value that begins at ``start`` (None while it has not ended). Brackets
-    are counted outside strings only: a forced call's grammar lets a string hold anything, the close tag
-    "</tool_call>" and unbalanced braces included, so the first close tag is not where the arguments end."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+class _ValueScan:
+    """Finds where the JSON value at the start of a growing text ends (leading whitespace skipped), scanning
+    each character once however the text arrives. Brackets are counted outside strings only: a forced
+    call's grammar lets a string hold anything, the close tag "</tool_call>" and unbalanced braces
+    included, so the first close tag is not where the arguments end."""
+
+    def __init__(self):
+        self.pos, self.depth, self.in_string, self.escaped = 0, 0, False, False
+
+    def end(self, text: str) -> int | None:
+        """The index just past the value in ``text`` (which extends the text seen before), or None."""
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            self.pos = i + 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return i + 1
             elif c == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}],":
-            if depth == 0:  # a number or literal at the top ended before this
-                return i
-            if c != ",":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-    return None
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}],":
+                if self.depth == 0:  # a number or literal at the top ended before this
+                    return i
+                if c != ",":
+                    self.depth -= 1
+                    if self.depth == 0:
+                        return i + 1
+        return None
 
 
 def _call(obj, fmt: ToolFormat, names: set[str]) -> tuple[str, str] | None:
@@ -212,6 +219,7 @@ class CallReader:
     def __init__(self, fmt: ToolFormat, names: Sequence[str], streaming_arguments: bool = False):
         self.fmt, self.names, self.incremental = fmt, set(names), streaming_arguments
         self.buf, self.state, self.sent = "", "start", ""
+        self.scan = _ValueScan()  # the streamed arguments' end (a new one per call)
         self.calls = 0
 
     def feed(self, text: str) -> list[Piece]:
@@ -279,6 +287,7 @@ class CallReader:
                 if head is not None:
                     out.append(self._new_call(json.loads(f'"{head.group(1)}"')))
                     self.buf, self.state, self.sent = self.buf[head.end():], "arguments", ""
+                    self.scan = _ValueScan()
                     continue
                 j = self.buf.find(_CLOSE)
                 if j < 0 and not final:
@@ -288,7 +297,7 @@ class CallReader:
                 self.buf, self.state = ("" if j < 0 else self.buf[j + len(_CLOSE):]), "text"
             elif self.state == "arguments":  # streamed (grammar-constrained) up to the end of the JSON value
                 start = len(self.buf) - len(self.buf.lstrip())
-                end = _value_end(self.buf, start)
+                end = self.scan.end(self.buf)
                 shown = self.buf[start:] if end is None else self.buf[start:end].rstrip()
                 if len(shown) > len(self.sent):
                     out.append(Piece("arguments", shown[len(self.sent):]))
