@@ -93,11 +93,20 @@ class GenerationStats:
     # the most tokens a verify step may hold (drafts + 1) and still give one-token decoding's logits bit
     # for bit, as the backend measured it (llama.cpp: llamacpp/speculate.exact_rows); 0: not measured
     verify_exact_rows: int = 0
+    # 1 when a decode forward's output was the end-of-text token that ended the answer: that forward's
+    # time is in decode_s and the forward in decode_steps, but the token is not in generated_tokens
+    stop_token: int = 0
+
+    @property
+    def decoded_tokens(self) -> int:
+        """Tokens the decode forwards produced: the answer's after the first (which prefill gives),
+        and the end-of-text token that ended it."""
+        return max(0, self.generated_tokens - 1) + self.stop_token
 
     @property
     def tokens_per_step(self) -> float:
-        """Answer tokens per decode forward (1.0 without speculation)."""
-        n = self.generated_tokens - 1
+        """Tokens per decode forward (1.0 without speculation)."""
+        n = self.decoded_tokens
         return n / self.decode_steps if self.decode_steps > 0 and n > 0 else 0.0
 
     @property
@@ -108,7 +117,7 @@ class GenerationStats:
     @property
     def decode_tok_s(self) -> float:
         # the first generated token comes out of prefill; decode rate counts the steps after it
-        n = self.generated_tokens - 1
+        n = self.decoded_tokens
         return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
 
     def to_dict(self) -> dict:
@@ -295,6 +304,7 @@ class StatsClock:
     accepted_tokens: int = 0
     verify_cost_ratio: float = 0.0
     verify_exact_rows: int = 0
+    stop_token: int = 0
 
     def stats(self, kv_bytes: int, kv_tokens: int, evicted: int = 0) -> GenerationStats:
         return GenerationStats(backend=self.backend, policy=self.policy, prompt_tokens=self.prompt_tokens,
@@ -305,7 +315,7 @@ class StatsClock:
                                kv_tokens=kv_tokens, evicted_tokens=evicted, speculate=self.speculate,
                                decode_steps=self.decode_steps, drafted_tokens=self.drafted_tokens,
                                accepted_tokens=self.accepted_tokens, verify_cost_ratio=self.verify_cost_ratio,
-                               verify_exact_rows=self.verify_exact_rows)
+                               verify_exact_rows=self.verify_exact_rows, stop_token=self.stop_token)
 
 
 def with_template_stops(prompt: Prompt, params: GenerationParams, stops: tuple[str, ...]) -> GenerationParams:

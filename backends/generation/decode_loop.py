@@ -86,6 +86,7 @@ def stream(tokens: Iterator[int] | Generator[int, None, str | None], *, token_by
             end_of_text = tok in eos
             if end_of_text and not params.ignore_eos:
                 finish = "stop"
+                clock.stop_token = 1 if clock.generated_tokens else 0  # a decode forward made it
                 break
             clock.generated_tokens += 1
             if on_accept is not None:

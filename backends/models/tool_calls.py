@@ -164,9 +164,15 @@ class _ValueScan:
 
     def __init__(self):
         self.pos, self.depth, self.in_string, self.escaped = 0, 0, False, False
+        self.found: int | None = None  # the end, once seen (asked again, the same answer)
 
     def end(self, text: str) -> int | None:
         """The index just past the value in ``text`` (which extends the text seen before), or None."""
+        if self.found is None:
+            self.found = self._scan(text)
+        return self.found
+
+    def _scan(self, text: str) -> int | None:
         for i in range(self.pos, len(text)):
             c = text[i]
             self.pos = i + 1
@@ -258,6 +264,20 @@ class CallReader:
             pos = len(text) - len(text[pos:].lstrip())
         return [p for name, args in found for p in (self._new_call(name), Piece("arguments", args))]
 
+    def _block_end(self, final: bool) -> int | None:
+        """Where a whole call's block ends in the buffer: the first close tag after its JSON object (a
+        string in it may hold "</tool_call>"); -1 at the end of the answer without a close tag; None:
+        not known yet. A block that does not start with "{", or whose object never ends, ends at the
+        first close tag (it is text either way)."""
+        stripped = self.buf.lstrip()
+        if not stripped and not final:
+            return None
+        end = self.scan.end(self.buf) if stripped.startswith("{") else 0
+        if end is None and not final:
+            return None  # the object is still open: a close tag seen so far may be inside a string
+        j = self.buf.find(_CLOSE, end or 0)
+        return None if j < 0 and not final else j
+
     def _drain(self, final: bool) -> list[Piece]:
         if self.state == "start":
             stripped = self.buf.lstrip()
@@ -282,6 +302,7 @@ class CallReader:
                 if i:
                     out.append(Piece("text", self.buf[:i]))
                 self.buf, self.state = self.buf[i + len(_OPEN):], "call"
+                self.scan = _ValueScan()
             elif self.state == "call":
                 head = _HERMES_HEAD.match(self.buf) if self.incremental else None
                 if head is not None:
@@ -289,8 +310,8 @@ class CallReader:
                     self.buf, self.state, self.sent = self.buf[head.end():], "arguments", ""
                     self.scan = _ValueScan()
                     continue
-                j = self.buf.find(_CLOSE)
-                if j < 0 and not final:
+                j = self._block_end(final)
+                if j is None:
                     return out
                 block = self.buf if j < 0 else self.buf[:j]
                 out += self._whole(block, _OPEN + self.buf[:len(self.buf) if j < 0 else j + len(_CLOSE)])

@@ -74,16 +74,19 @@ async def go():
         prompt_box.text = prompt
         prompt_box.focus()
         ui_start = time.thread_time()  # this thread is the UI's: its CPU time while the answer streams
+        process_start = time.process_time()  # and all of this process's threads (the pipe's reader too)
         await pilot.press("enter")
         while not (chat.turn == 1 and not chat.busy):
             await asyncio.sleep(0.05)
         reply = chat.conv.messages[-1]
-        return reply.stats, chat.frames_drawn, time.thread_time() - ui_start
-stats, frames, ui_cpu = asyncio.run(go())
+        return (reply.stats, chat.frames_drawn, time.thread_time() - ui_start,
+                time.process_time() - process_start)
+stats, frames, ui_cpu, process_cpu = asyncio.run(go())
 app.engine.close()
 print(json.dumps({"generated": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens,
                   "decode_tok_s": stats.decode_tok_s, "frames": frames,
                   "ui_cpu_ms_per_token": round(1000 * ui_cpu / stats.generated_tokens, 3),
+                  "ui_process_cpu_ms_per_token": round(1000 * process_cpu / stats.generated_tokens, 3),
                   "wall_tok_s": (stats.generated_tokens - 1) / (stamps[-1] - stamps[0]),
                   "policy": str(planned.plan.policy)}))
 '''

@@ -85,3 +85,30 @@ def test_ignore_eos_goes_past_end_of_text_counting_it_but_showing_no_text():
     assert [e.token for e in events if e.kind == "token"] == [0, 1, 99, 2, 3]
     plain, _ = run([0, 1, 99, 2, 3, 4], GenerationParams(max_tokens=5))
     assert plain[-1].finish_reason == "stop" and plain[-1].stats.generated_tokens == 2
+
+
+def test_the_end_of_text_a_decode_step_made_counts_as_that_steps_output():
+    """Prefill gives the first answer token; four decode forwards give three more and the end-of-text,
+    so tokens per step and decode tok/s count four tokens for those four forwards and their time."""
+    def tokens():
+        for t in [0, 1, 2, 3, 99]:
+            yield t
+            clock.decode_steps += 1  # what the speculative loop counts: one forward per token here
+
+    clock = StatsClock(backend="t", policy="fp16", prompt_tokens=3)
+    events = list(stream(tokens(), token_bytes=lambda t: PIECES[t].encode(), eos={99},
+                         params=GenerationParams(max_tokens=10), clock=clock, probe=KVProbe(lambda: (10, 3, 0))))
+    done = events[-1].stats
+    assert done.generated_tokens == 4 and done.stop_token == 1 and done.decode_steps == 4
+    assert done.decoded_tokens == 4 and done.tokens_per_step == 1.0  # was 3 of 4: 0.75
+    assert done.decode_tok_s == 4 / done.decode_s
+    # a limit ends it: no end-of-text was made, the last forward's token is in the answer
+    clock = StatsClock(backend="t", policy="fp16", prompt_tokens=3)
+    events = list(stream(iter([0, 1, 2, 3, 99]), token_bytes=lambda t: PIECES[t].encode(), eos={99},
+                         params=GenerationParams(max_tokens=3), clock=clock, probe=KVProbe(lambda: (10, 3, 0))))
+    assert events[-1].stats.stop_token == 0 and events[-1].stats.decoded_tokens == 2
+    # end-of-text straight out of prefill: no decode forward made anything
+    clock = StatsClock(backend="t", policy="fp16", prompt_tokens=3)
+    events = list(stream(iter([99]), token_bytes=lambda t: PIECES[t].encode(), eos={99},
+                         params=GenerationParams(max_tokens=3), clock=clock, probe=KVProbe(lambda: (10, 3, 0))))
+    assert events[-1].stats.stop_token == 0 and events[-1].stats.decoded_tokens == 0

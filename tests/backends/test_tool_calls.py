@@ -129,6 +129,21 @@ def test_a_forced_calls_arguments_end_where_their_json_ends_not_at_a_close_tag_i
     assert cut_short[1][0][2] == answer[answer.index('{"city"'):60]
 
 
+def test_a_calls_block_ends_after_its_json_object_not_at_a_close_tag_inside_a_string():
+    """Unconstrained (tool_choice auto), a model may write the close tag inside an argument: the block
+    is read to the first close tag after its JSON object, whole and split at every point, and what
+    follows stays text."""
+    note = 'use </tool_call> to end a call, and {"braces"} too'
+    answer = ('Saving it.<tool_call>\n' + json.dumps({"name": "save", "arguments": {"note": note}})
+              + '\n</tool_call> Done.')
+    want = ("Saving it. Done.", [("save", {"note": note})])
+    for cuts in [[]] + [[c] for c in range(1, len(answer))] + [list(range(1, len(answer)))]:
+        assert _collect(_pieces_split(answer, CallReader(HERMES, ["save"]), cuts)) == want
+    # a block whose object never ends still ends at the first close tag, as text
+    broken = '<tool_call>\n{"name": "save", "arguments": {"note": "open</tool_call> then prose'
+    assert read_all(broken, HERMES, ["save"]) == (broken, [])
+
+
 def test_what_is_not_a_call_of_a_known_function_stays_text():
     for text in ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', "<tool_call>\nnot json\n</tool_call>",
                  "a < b and <tool", "<tool_call>{\"name\": \"get_weather\""):

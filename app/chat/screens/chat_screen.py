@@ -143,12 +143,13 @@ class ChatScreen(Screen):
     def emit(self, payload: object) -> None:
         """Called from the worker thread; post_message is thread-safe. A streamed event goes to the
         frame buffer, and only the first one of a frame (or the last of the answer) wakes the screen."""
-        message: Message = EngineResult(payload)
-        if isinstance(payload, Streamed):
+        if isinstance(payload, Streamed):  # per token: no Message unless the screen has to wake
             frames = self.frames
             if frames is None or frames.turn != payload.turn or not frames.add(payload.event):
                 return
-            message = FrameReady()
+            message: Message = FrameReady()
+        else:
+            message = EngineResult(payload)
         try:
             self.post_message(message)
         except RuntimeError:
