@@ -9,6 +9,12 @@ tokens per step, drafted / accepted tokens, the verify-cost ratio the answer mea
 1-minute load average (the host may be shared). Medians over the pairs per prompt.
 
     python benchmarks/reuse/speculate_heldout.py --pairs 5 --json docs/results/reuse/speculate-heldout.json
+
+``--in-process``: both sides answer in this one process, from one session opened as `localctx run`
+opens it (the same plan, sized to the longest request), emptied before every answer so each prefills
+its prompt from scratch. A fresh process's decode speed on a shared 2-core host moves by ±15% from
+process to process; within one process the pair sees the same process, threads and memory (the host's
+noise from answer to answer stays: docs/benchmarks-reuse.md).
 """
 from __future__ import annotations
 
@@ -55,6 +61,30 @@ def run_once(model: str, prompt: str, speculate: str, max_tokens: int, env: dict
             "speculate": s["speculate"]}
 
 
+class InProcess:
+    """One llama.cpp session that answers both sides of every pair (``--in-process``)."""
+
+    def __init__(self, model: str | None, max_tokens: int, kv: str | None):
+        from localctx.app.commands.run import request_tokens
+        from localctx.app.session_options import SessionRequest, open_session
+
+        need = max(request_tokens(text, None, max_tokens) for text in PROMPTS.values())
+        self.session = open_session(SessionRequest(model=model, backend="llamacpp", kv=kv, allocate=need))
+
+    def run_once(self, prompt: str, speculate: str, max_tokens: int) -> dict:
+        from localctx.backends.base import GenerationParams
+
+        self.session.reset()  # every answer prefills its prompt, as a fresh `localctx run` does
+        events = list(self.session.generate([{"role": "user", "content": prompt}],
+                                            GenerationParams(max_tokens=max_tokens, speculate=speculate)))
+        s = events[-1].stats
+        return {"text": "".join(e.text for e in events), "decode_tok_s": round(s.decode_tok_s, 2),
+                "generated": s.generated_tokens, "cached": s.cached_tokens, "tokens_per_step": round(s.tokens_per_step, 3),
+                "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
+                "verify_cost_ratio": round(s.verify_cost_ratio, 3), "verify_exact_rows": s.verify_exact_rows,
+                "speculate": s.speculate}
+
+
 def write(out: Path, args: argparse.Namespace, rows: dict[str, list[dict]]) -> dict:
     summary = {name: {"pairs": len(p), "median_ratio": round(statistics.median(x["ratio"] for x in p), 3),
                       "all_identical": all(x["identical"] for x in p),
@@ -65,6 +95,7 @@ def write(out: Path, args: argparse.Namespace, rows: dict[str, list[dict]]) -> d
                for name, p in rows.items() if p}
     doc = {"command": "python benchmarks/reuse/speculate_heldout.py " + " ".join(sys.argv[1:]),
            "model": Path(args.model).name, "kv": args.kv or "planned", "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
+           "sides": "one process, one session" if args.in_process else "a fresh process each",
            "prompts": {name: PROMPTS[name] for name in rows}, "load_average_at_end": os.getloadavg(),
            "summary": summary, "pairs": rows}
     tmp = out.with_suffix(".tmp")
@@ -83,8 +114,10 @@ def main() -> int:
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("--kv", default=None, help="the KV policy of both sides (default: planned)")
     ap.add_argument("--json", default="docs/results/reuse/speculate-heldout.json", metavar="PATH")
+    ap.add_argument("--in-process", action="store_true", help="both sides in this process, one session (see above)")
     args = ap.parse_args()
     env = dict(os.environ)
+    here = InProcess(args.model, args.max_tokens, args.kv) if args.in_process else None
     rows: dict[str, list[dict]] = {name: [] for name in args.prompts.split(",")}
     out = Path(args.json)
     summary: dict = {}
@@ -94,7 +127,8 @@ def main() -> int:
             pair: dict = {"order": list(order), "started": time.strftime("%H:%M:%S"),
                           "load_average": round(os.getloadavg()[0], 2)}
             for side in order:
-                pair[side] = run_once(args.model, PROMPTS[name], side, args.max_tokens, env, args.kv)
+                pair[side] = (here.run_once(PROMPTS[name], side, args.max_tokens) if here else
+                              run_once(args.model, PROMPTS[name], side, args.max_tokens, env, args.kv))
             pair["ratio"] = round(pair["ngram"]["decode_tok_s"] / pair["off"]["decode_tok_s"], 3)
             pair["identical"] = pair["ngram"]["text"] == pair["off"]["text"]
             for side in order:
