@@ -54,11 +54,15 @@ def run_once(model: str, prompt: str, speculate: str, max_tokens: int, env: dict
     if out.returncode != 0:
         raise SystemExit(f"localctx run --speculate {speculate} failed: {out.stderr.strip()}")
     result = json.loads(out.stdout)
-    s = result["stats"]
-    return {"text": result["text"], "decode_tok_s": s["decode_tok_s"], "generated": s["generated_tokens"],
-            "tokens_per_step": s["tokens_per_step"], "drafted": s["drafted_tokens"], "accepted": s["accepted_tokens"],
-            "verify_cost_ratio": s["verify_cost_ratio"], "verify_exact_rows": s["verify_exact_rows"],
-            "speculate": s["speculate"]}
+    return answer_row(result["text"], result["stats"])
+
+
+def answer_row(text: str, s: dict) -> dict:
+    """One answer's row from its stats as `run --json` writes them (``GenerationStats.to_dict``)."""
+    return {"text": text, "decode_tok_s": s["decode_tok_s"], "generated": s["generated_tokens"],
+            "cached": s["cached_tokens"], "tokens_per_step": s["tokens_per_step"], "drafted": s["drafted_tokens"],
+            "accepted": s["accepted_tokens"], "verify_cost_ratio": s["verify_cost_ratio"],
+            "verify_exact_rows": s["verify_exact_rows"], "speculate": s["speculate"]}
 
 
 class InProcess:
@@ -77,12 +81,7 @@ class InProcess:
         self.session.reset()  # every answer prefills its prompt, as a fresh `localctx run` does
         events = list(self.session.generate([{"role": "user", "content": prompt}],
                                             GenerationParams(max_tokens=max_tokens, speculate=speculate)))
-        s = events[-1].stats
-        return {"text": "".join(e.text for e in events), "decode_tok_s": round(s.decode_tok_s, 2),
-                "generated": s.generated_tokens, "cached": s.cached_tokens, "tokens_per_step": round(s.tokens_per_step, 3),
-                "drafted": s.drafted_tokens, "accepted": s.accepted_tokens,
-                "verify_cost_ratio": round(s.verify_cost_ratio, 3), "verify_exact_rows": s.verify_exact_rows,
-                "speculate": s.speculate}
+        return answer_row("".join(e.text for e in events), events[-1].stats.to_dict())
 
 
 def write(out: Path, args: argparse.Namespace, rows: dict[str, list[dict]]) -> dict:
