@@ -246,6 +246,8 @@ def size_plan(plan: Plan, req: SessionRequest, spec: ModelSpec) -> Plan:
         return plan
     cls = registry.backend_class(plan.backend)
     backend = cls() if cls is not None else None
+    if backend is not None and not backend.kv_reserved_at_load:
+        return plan  # nothing to size: the session says what its buffers take as they fill
     allocation = (backend.kv_allocation() if backend is not None else None) or cost.max_kv_bytes
     cell = backend.kv_cell_tokens if backend is not None else 1
     first = req.allocate if req.grow_to_context else max(req.allocate, req.context or 0)

@@ -247,6 +247,10 @@ class Session(ABC):
 class Backend(ABC):
     name: str = ""
     kv_cell_tokens: int = 1  # a KV allocation is a whole number of these (plan.sized_to rounds up to it)
+    # True: a session reserves its KV at load, sized to the work (plan.sized_to), and grows it at thresholds;
+    # False: its buffers grow as tokens arrive and nothing is reserved at load (MLX), so the plan is not sized
+    # and the session records in it what the buffers take as they grow (Plan.grow_to)
+    kv_reserved_at_load: bool = True
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can run here, else why not (and what to install)."""

@@ -76,6 +76,8 @@ class Plan:
         """"KV 12.0 MiB allocated for 768 tokens, grows to 180 MiB at 8,192", or the full allocation's words."""
         if self.allocated_context >= self.context:
             return f"KV {cost.format_bytes(self.kv_bytes)} allocated for all {self.context:,} tokens"
+        if not self.allocated_bytes:  # a cache that allocates as it fills (MLX), before its first token
+            return f"KV nothing allocated yet, grows to {cost.format_bytes(self.kv_bytes)} at {self.context:,}"
         return (f"KV {cost.format_bytes(self.allocated_bytes)} allocated for {self.allocated_context:,} tokens, "
                 f"grows to {cost.format_bytes(self.kv_bytes)} at {self.context:,}")
 

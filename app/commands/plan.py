@@ -190,8 +190,7 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
           f"{format_bytes(plan.weight_bytes)}; decode ≈ {plan.decode_tok_s:.1f} tok/s"
           + (f", prefill ≈ {plan.prefill_tok_s:.0f} tok/s" if plan.prefill_tok_s else ""))
     if not plan.policy.evicts:
-        print(f"allocated as the work needs it, up to the context above: run, its prompt + --max-tokens; chat, "
-              f"{GROW_FROM_TOKENS:,} tokens, doubling as the conversation grows")
+        print(allocation_line(plan.backend))
     print("\nprojected with this policy:")
     print(f"  {'context':>9}  {'KV memory':>10}  {'decode tok/s':>12}  fits")
     for r in rows:
@@ -202,6 +201,18 @@ def _print_plan(spec, source, ctx, plan, rows) -> None:
     if plan.rejected:
         print("\nrejected:")
         _print_rejected(plan.rejected)
+
+
+def allocation_line(backend: str) -> str:
+    """How the named backend allocates the KV up to the plan's context."""
+    from localctx.backends import registry
+
+    cls = registry.backend_class(backend)
+    if cls is not None and not cls.kv_reserved_at_load:
+        return ("allocated as the cache fills, up to the context above: nothing is reserved at load; the "
+                "buffers grow as tokens arrive (the stats line says what they take)")
+    return (f"allocated as the work needs it, up to the context above: run, its prompt + --max-tokens; chat, "
+            f"{GROW_FROM_TOKENS:,} tokens, doubling as the conversation grows")
 
 
 def figure_line(q: dict) -> str:

@@ -18,6 +18,7 @@ from localctx.kvcache.model_spec import ModelSpec
 
 class MLXBackend(Backend):
     name = "mlx"
+    kv_reserved_at_load = False  # the caches' buffers grow as tokens arrive (full_rows.py, mlx-lm's own caches)
 
     def __init__(self, options=None):
         self._options = options  # a session.SessionOptions; None = the defaults

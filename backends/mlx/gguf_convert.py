@@ -181,8 +181,9 @@ def _convert(path: Path, folder: Path, key: str) -> str:
         cfg["quantization"] = {**first, **used}
     _write(model, cfg, folder, key)
     bits = sorted({q["bits"] for q in used.values()})
-    return (f"{sum(types.values())} tensors of {', '.join(f'{n} {k}' for k, n in sorted(types.items()))}; "
-            f"{len(used)} linears re-quantized to MLX affine {'/'.join(map(str, bits)) or '-'}-bit, the rest float16")
+    kept = (f"{len(used)} linears re-quantized to MLX affine {'/'.join(map(str, bits))}-bit, the rest float16"
+            if used else "nothing quantized to keep: every tensor float16")
+    return f"{sum(types.values())} tensors of {', '.join(f'{n} {k}' for k, n in sorted(types.items()))}; {kept}"
 
 
 def _quantized_paths(model: nn.Module):

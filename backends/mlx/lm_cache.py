@@ -158,7 +158,14 @@ class NativeCache:
         return max((c.size() for c in self.layers), default=0)
 
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.layers)
+        """Bytes of what the layers hold: the rows in use (not the spare rows their buffers grow by), in
+        the dtype the model computes in (float32 on a CPU, where the cost model's fp16 count is half)."""
+        return sum(_held_bytes(c) for c in self.layers)
+
+    def allocated(self) -> tuple[int, int]:
+        """(tokens the stream reaches before a buffer has to grow, bytes the buffers take now)."""
+        spare = [n for n in (_spare_rows(c) for c in self.layers) if n is not None]
+        return (self.n_seen + min(spare) if spare else self.position_limit), sum(c.nbytes for c in self.layers)
 
     def snapshot(self):
         return None
@@ -186,3 +193,27 @@ class NativeCache:
 
     def probe(self) -> tuple[int, int, int]:
         return self.nbytes(), self.n_kept, self.n_seen - self.n_kept
+
+
+def _held_bytes(layer) -> int:
+    """Bytes of the rows an mlx-lm cache holds; a recurrent layer's state is held whole."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if not isinstance(layer, KVCache | RotatingKVCache):
+        return layer.nbytes
+    if layer.keys is None:
+        return 0
+    k, v = layer.keys, layer.values  # (batch, heads, rows, dim)
+    return layer.size() * (k.shape[1] * k.shape[3] * k.dtype.size + v.shape[1] * v.shape[3] * v.dtype.size)
+
+
+def _spare_rows(layer) -> int | None:
+    """Rows an mlx-lm cache's buffers hold beyond what is in use (0: the next token grows them); None
+    for a layer that never grows: a full sliding window rotates in place, a recurrent state keeps its size."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if isinstance(layer, RotatingKVCache) and layer.size() >= layer.max_size:
+        return None
+    if not isinstance(layer, KVCache | RotatingKVCache):
+        return None
+    return 0 if layer.keys is None else int(layer.keys.shape[2]) - layer.size()

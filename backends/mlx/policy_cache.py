@@ -362,6 +362,11 @@ class ModelCache:
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.layers)
 
+    def allocated(self) -> tuple[int, int]:
+        """(tokens the stream reaches before a buffer has to grow, bytes the buffers take now)."""
+        spare = min(layer.full.capacity - layer.full.n for layer in self.layers)
+        return self.n_seen + spare, self.allocated_bytes()
+
     def snapshot(self) -> list[tuple]:
         return [layer.snapshot() for layer in self.layers]
 

@@ -52,6 +52,18 @@ class MLXSession(Session):
         self.cache = loaded.make_cache(plan.policy, spec)
         self.fed: list[int] = []
         self.last_logits: np.ndarray | None = None
+        self._record_allocation()
+
+    def _record_allocation(self) -> None:
+        """MLX allocates as the cache fills (MLXBackend.kv_reserved_at_load): the plan says what the
+        buffers take now, as it does after a llama.cpp context grows, for the stats line, --json and the
+        chat's panel."""
+        tokens, kv_bytes = self.cache.allocated()
+        self.plan.grow_to(min(tokens, self.plan.context), kv_bytes)  # a buffer's step may pass a small context
+
+    def _probe(self) -> tuple[int, int, int]:
+        self._record_allocation()
+        return self.cache.probe()
 
     # -- prompt handling ---------------------------------------------------------------
     def render(self, prompt: Prompt) -> str:
@@ -63,9 +75,12 @@ class MLXSession(Session):
     def reset(self) -> None:
         self.cache.reset()
         self.fed, self.last_logits = [], None
+        self._record_allocation()
 
     def close(self) -> None:
-        self.reset()
+        """Releases the cache and the model; the plan keeps what the last answer allocated (run's stats line)."""
+        self.cache.reset()
+        self.fed, self.last_logits = [], None
         self.model = None
 
     def feed(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
@@ -241,7 +256,7 @@ class MLXSession(Session):
 
         source = drafted_ids() if clock.speculate == "ngram" else ids()
         yield from stream(source, token_bytes=self.tokenizer.token_bytes, eos=self.tokenizer.eos, params=params,
-                          clock=clock, probe=KVProbe(self.cache.probe), cancel=cancel)
+                          clock=clock, probe=KVProbe(self._probe), cancel=cancel)
 
 
 @dataclass
