@@ -62,9 +62,12 @@ class SessionInfo:
 
 @dataclass(frozen=True)
 class StreamBatch:
-    """Streamed events of one answer, in order, sent as one message."""
+    """Streamed events of one answer, in order, sent as one message, with what the child's session has
+    allocated by then: (tokens, KV bytes), its plan's ``grow_to`` arguments; the UI's copy of the plan
+    follows it (the KV panel's "of X allocated" after the context grew, or as MLX's buffers fill)."""
     turn: int
     events: tuple
+    allocation: tuple[int, int] | None = None
 
 
 class Batcher:
@@ -125,6 +128,11 @@ class _Child:
         with self.send_lock:
             messages = self.batcher.add(payload) if isinstance(payload, Streamed) else \
                 self.batcher.flush() + [payload]
+            session = self.engine.session
+            if session is not None:
+                plan = session.plan
+                messages = [replace(m, allocation=(plan.allocated_context, plan.allocated_bytes))
+                            if isinstance(m, StreamBatch) else m for m in messages]
             try:
                 for message in messages:
                     self.conn.send(message)
@@ -292,6 +300,8 @@ class ProcessEngine:
             except (OSError, EOFError, ValueError):
                 break
             if isinstance(payload, StreamBatch):
+                if payload.allocation is not None and self.session is not None:
+                    self.session.plan.grow_to(*payload.allocation)  # before the events: the panel draws them
                 for event in payload.events:
                     if event.kind == "done":
                         self._ended(("answer", payload.turn))

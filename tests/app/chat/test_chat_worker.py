@@ -183,3 +183,43 @@ def test_a_model_the_child_cannot_load_is_the_commands_one_line_error(history, m
     app.engine.close()
     assert isinstance(app.load_error, UserError) and "--cache-reuse does not apply" in str(app.load_error)
     assert not app.engine.process.is_alive() and app.engine.process.exitcode == 0
+
+
+def test_the_uis_plan_follows_what_the_childs_session_allocated():
+    """A context that grows in the child (llama.cpp's cells moved into a larger one, MLX's buffers as
+    they fill) reaches the UI's copy of the plan with the streamed tokens, which the KV panel reads."""
+    import multiprocessing
+    import threading
+    from types import SimpleNamespace
+
+    from localctx.app.chat.chat_engine import Streamed
+    from localctx.app.chat.worker_process import SessionInfo, _Child
+    from localctx.backends.base import GenerationEvent, GenerationParams, GenerationStats
+    from localctx.backends.fake.session import FAKE_SPEC
+    from localctx.kvcache import cost
+
+    from chat_helpers import fake_session
+
+    def kv(n: int) -> int:
+        return cost.max_kv_bytes(FAKE_SPEC, session.plan.policy, n)
+
+    ui_end, child_end = multiprocessing.Pipe()
+    child = _Child(child_end, SimpleNamespace(reopen=None), GenerationParams())
+    session = fake_session()
+    session.plan = session.plan.sized_to(1000, 1, kv)
+    child.engine.session = session
+    engine = ProcessEngine.__new__(ProcessEngine)  # the UI side's reader alone, without a child process
+    engine._conn, engine._closing, engine._state_lock, engine._pending = ui_end, True, threading.Lock(), None
+    engine.session = SessionInfo(session.backend_name, session.spec, session.plan.sized_to(1000, 1, kv))  # a copy
+    seen = []
+    engine._emit = lambda payload: seen.append((payload, engine.session.plan.allocated_context))
+    reader = threading.Thread(target=engine._read)
+    reader.start()
+    stats = GenerationStats("fake", "fp16", prompt_tokens=3, generated_tokens=1)
+    child.send(Streamed(1, GenerationEvent("token", stats, text="a")))
+    session.plan.grow_to(2000, kv(2000))  # the child's session grew before its next token
+    child.send(Streamed(1, GenerationEvent("done", stats, finish_reason="stop")))
+    child_end.close()
+    reader.join(10)
+    assert [n for _, n in seen] == [1000, 2000]  # each event arrives with the allocation it was made in
+    assert engine.session.plan.allocated_bytes == kv(2000) and engine.session.plan is not session.plan
