@@ -46,6 +46,9 @@ class KVPolicy:
             raise UserError(f"invalid KV policy {self._raw()!r}: {problem}")
 
     def _raw(self) -> str:
+        """The policy as it is written (``int8+heavy8``) where its precisions can be written, else its fields."""
+        if {self.k_bits, self.v_bits} <= {16, 8, 4}:
+            return str(self)
         return (f"k_bits={self.k_bits} v_bits={self.v_bits} g={self.group_size} res={self.residual} sinks={self.sinks} "
                 f"window={self.window} heavy={self.heavy}")
 

@@ -69,6 +69,14 @@ def test_invalid_forms_are_refused_with_the_reason(text, words):
     assert words in str(err.value)
 
 
+@pytest.mark.parametrize("text, shown", [("int8+heavy8", "'int8+heavy8'"), ("fp16+res128", "'fp16+res128'"),
+                                         ("int4+g32+sink4+heavy16", "'int4+sink4+heavy16'")])
+def test_a_rule_across_parts_names_the_policy_as_written(text, shown):
+    with pytest.raises(UserError) as err:
+        KVPolicy.parse(text)
+    assert f"invalid KV policy {shown}:" in str(err.value) and "k_bits=" not in str(err.value)
+
+
 def test_heavy_hitters_without_a_window_are_refused_when_built_directly_too():
     with pytest.raises(UserError, match="drop 'heavy'"):
         KVPolicy(k_bits=8, v_bits=8, heavy=64)
