@@ -24,6 +24,7 @@ from localctx.backends.torch.linear import WEIGHT_FORMATS
 from localctx.backends.torch.session import TorchSession
 from localctx.backends.torch.tokenizer import TextTokenizer, from_gguf, from_hf_folder
 from localctx.kernels_cuda import dispatch
+from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.factory import CacheKernels, CacheRequest, make_kv_cache
 from localctx.kvcache.paged import DEFAULT_BLOCK_SIZE
@@ -167,4 +168,6 @@ def build_session(loaded: LoadedModel, plan: Plan, options: TorchOptions) -> Tor
     session = TorchSession(engine, loaded.tokenizer, spec, plan, options)
     if options.pool_tokens is None and not policy.evicts:
         session.resize = lambda tokens: make_cache(model, policy, tokens, options)
+        if plan.allocated_context < plan.context:  # sized with the file's element size; held in ``options.dtype``
+            plan.grow_to(plan.allocated_context, cost.max_kv_bytes(spec, policy, plan.allocated_context))
     return session

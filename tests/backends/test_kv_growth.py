@@ -110,6 +110,9 @@ def test_torch_grows_its_cache_and_answers_as_the_full_allocation(tiny_torch):
     full = torch_session(tiny_torch, "fp16", None)
     small = torch_session(tiny_torch, "fp16", 40)
     assert full.engine.cache.pool.capacity_tokens == 1024 and small.engine.cache.pool.capacity_tokens == 40
+    # what it allocated at load is counted in the element size it holds (float32 on a CPU), as after growing
+    assert small.spec.kv_elem_bytes == torch.empty((), dtype=OPTIONS.dtype).element_size()
+    assert small.plan.allocated_bytes == cost.max_kv_bytes(small.spec, small.plan.policy, 40)
     expected = conversation(full)
     got = conversation(small)
     assert got == expected
