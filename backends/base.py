@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence, Union
 
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.hardware_profile import HardwareProfile
 from localctx.kvcache.eviction import policy_cache_layout
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
@@ -272,6 +273,11 @@ class Backend(ABC):
         (what ``plan``, ``run --json``, the chat panel and serve's /v1/models show). The default is
         the policy cache's layout (kvcache/eviction.py), which the torch and MLX backends run."""
         return policy_cache_layout(policy)
+
+    def kv_elem_bytes(self, spec: ModelSpec, hw: HardwareProfile) -> int:
+        """Bytes of one full-precision KV element as this backend holds it for ``spec`` on ``hw`` (what the
+        planner counts: BackendView.elem_bytes); the model file's by default (llama.cpp's f16 cache)."""
+        return spec.kv_elem_bytes
 
     def kv_allocation(self):
         """``(spec, policy, context) -> bytes`` where this backend's KV allocation differs from the cost

@@ -65,6 +65,9 @@ class BackendView:
     describe: Callable[[KVPolicy], str] = policy_cache_layout
     quality_table: QualityTable = NO_VERDICTS  # measured quality per backend (assets/kv_quality.json)
     kld: KldTable = NO_FIGURES  # this model's KL divergence per format: its calibration, else priors
+    # bytes of a full-precision KV element as the backend holds it on the planned hardware, where that is not
+    # the model file's (Backend.kv_elem_bytes: torch and MLX hold the dtype they compute in, float32 on a CPU)
+    elem_bytes: int | None = None
 
     @property
     def quality(self) -> BackendQuality:
@@ -72,6 +75,8 @@ class BackendView:
 
     def kv_bytes(self, spec: ModelSpec, policy: KVPolicy, context: int) -> int:
         """Peak KV bytes of ``policy`` over ``context`` tokens, as this backend holds them."""
+        if self.elem_bytes is not None:
+            spec = replace(spec, kv_elem_bytes=self.elem_bytes)
         if self.allocated is not None:
             return self.allocated(spec, policy, context)
         return cost.max_kv_bytes(spec, policy, context)

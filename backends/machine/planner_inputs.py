@@ -50,9 +50,11 @@ def kld_table(name: str, spec: ModelSpec, model_file: Path | None) -> tuple[kld_
     return kld_quality.KldTable(measured, kld_quality.priors_for(name, spec), windows), notes
 
 
-def backend_view(name: str, spec: ModelSpec, model_file: Path | None = None) -> tuple[BackendView, tuple[str, ...]]:
+def backend_view(name: str, spec: ModelSpec, model_file: Path | None = None,
+                 hw: HardwareProfile | None = None) -> tuple[BackendView, tuple[str, ...]]:
     """The backend's refusals, from its class even where it cannot run (planning for another machine),
-    and this model's quality figures (``model_file``: its calibration, if cached)."""
+    this model's quality figures (``model_file``: its calibration, if cached), and on ``hw`` the KV
+    element the backend holds there (Backend.kv_elem_bytes)."""
     cls = registry.backend_class(name)
     if cls is None:
         note = (f"backend {name} is not in this build: planned with full-precision KV only",)
@@ -64,7 +66,8 @@ def backend_view(name: str, spec: ModelSpec, model_file: Path | None = None) -> 
     backend.check_model(spec)
     kld, notes = kld_table(name, spec, model_file)
     return BackendView(name, lambda policy: backend.refusals(policy, spec), backend.kv_allocation(),
-                       backend.describe_kv, quality.load(), kld), notes
+                       backend.describe_kv, quality.load(), kld,
+                       backend.kv_elem_bytes(spec, hw) if hw is not None else None), notes
 
 
 def calibration_name(name: str, hw: HardwareProfile) -> str:
@@ -110,7 +113,7 @@ def planning_context(backend: str, spec: ModelSpec, hardware: str | None = None,
     if backend == "auto" and name != "llamacpp" and (why := model_refusal(name, spec)):
         fallback = (f"backend llamacpp, not {name}: {why.split(';')[0]}",)
         name = "llamacpp"
-    view, notes = backend_view(name, spec, model_file)
+    view, notes = backend_view(name, spec, model_file, hw)
     return PlanningContext(hw, view, speed_model(name, hw), fallback + notes)
 
 
@@ -181,7 +184,7 @@ def decision_rows(hardware_names=TABLE_HARDWARE, model_names=TABLE_MODELS, conte
         for model in model_names:
             spec = known_spec(model)
             name = choose_backend(backend, hw)
-            view, notes = backend_view(name, spec)
+            view, notes = backend_view(name, spec, hw=hw)
             ctx = PlanningContext(hw, view, speed_model(name, hw), notes)
             for c in contexts:
                 req = PlanRequest(context=c)

@@ -4,6 +4,7 @@ mlx-lm's model for its architecture (zoo.py) or on localctx's own page (loading.
 and Gemma 3) where the policy needs the page (``zoo.graph_for``)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -11,6 +12,7 @@ from localctx.backends.base import Backend, Capabilities
 from localctx.backends.mlx import zoo
 from localctx.backends.models.spec_reader import NATIVE_GRAPH, read_spec, require_safetensors
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.hardware_profile import HardwareProfile
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.model_spec import ModelSpec
@@ -40,6 +42,11 @@ class MLXBackend(Backend):
                                    "the Llama family and Gemma 3 also on localctx's own pages: keys cached "
                                    "before RoPE, rotated at their in-cache positions, heavy hitters"))
 
+    def kv_elem_bytes(self, spec: ModelSpec, hw: HardwareProfile) -> int:
+        """The caches hold the dtype the model computes in (loading.compute_dtype): float16 on Apple silicon,
+        float32 on a CPU, as mlx-lm's own KVCache does."""
+        return 2 if hw.kind == "apple" else 4
+
     def check_model(self, spec: ModelSpec) -> None:
         if spec.architecture not in NATIVE_GRAPH and not zoo.supports(spec.architecture):
             raise UserError(f"--backend mlx runs the architectures mlx-lm implements and {', '.join(sorted(NATIVE_GRAPH))}, "
@@ -64,7 +71,7 @@ class MLXBackend(Backend):
             raise UserError(f"--backend mlx runs GGUF files and safetensors folders, not {model.kind!r} models")
         if model.kind == "hf":
             require_safetensors(model.path)
-        spec = read_spec(model)
+        spec = held_in_compute_dtype(read_spec(model))
         self.check_model(spec)
         refusals = self.refusals(plan.policy, spec)
         if refusals:
@@ -83,3 +90,10 @@ class MLXBackend(Backend):
             loaded = zoo.load_folder(model.path, spec.architecture, options.load) if graph == "mlx-lm" else load_folder(model.path, options.load)[0]
             tokenizer = folder_tokenizer(model.path, json.loads((model.path / "config.json").read_text()))
         return MLXSession(loaded, tokenizer, spec, plan, options)
+
+
+def held_in_compute_dtype(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the KV element the caches hold on this machine: the dtype the model computes in."""
+    from localctx.backends.mlx.loading import compute_dtype
+
+    return dataclasses.replace(spec, kv_elem_bytes=compute_dtype().size)

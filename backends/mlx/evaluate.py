@@ -35,13 +35,13 @@ class MLXEvaluator:
     model with localctx's policy cache where it can), loading mlx-lm's model once when first needed."""
 
     def __init__(self, ref: ModelRef, chunk: int = 128, graph: str = "page"):
-        from localctx.backends.mlx.backend import MLXBackend
+        from localctx.backends.mlx.backend import MLXBackend, held_in_compute_dtype
         from localctx.backends.mlx.tokenizer import folder_tokenizer, gguf_tokenizer
         from localctx.backends.models.spec_reader import read_gguf, read_spec
 
         if ref.kind not in ("gguf", "hf"):
             raise UserError(f"--backend mlx evaluates GGUF files and safetensors folders, not {ref.kind!r} models")
-        self.ref, self.spec, self.chunk, self.graph = ref, read_spec(ref), chunk, graph
+        self.ref, self.spec, self.chunk, self.graph = ref, held_in_compute_dtype(read_spec(ref)), chunk, graph
         self.backend = MLXBackend()
         self.backend.check_model(self.spec)
         self.models: dict[str, object] = {}  # graph → the model, loaded when first asked for

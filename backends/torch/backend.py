@@ -4,12 +4,18 @@ its capabilities on a machine without torch; loading lives in loading.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from localctx.backends.base import Backend, Capabilities
 from localctx.backends.models.spec_reader import NATIVE_GRAPH, require_safetensors
 from localctx.backends.models.ref import ModelRef
 from localctx.kvcache.errors import UserError
+from localctx.kvcache.hardware_profile import HardwareProfile
+from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.plan import Plan
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # loading.DTYPES' names (this module imports no torch)
 
 
 class TorchBackend(Backend):
@@ -34,6 +40,14 @@ class TorchBackend(Backend):
         if self.unavailable_reason():
             return self.name
         return f"{self.name}-{self.options().speed_key()}"
+
+    def kv_elem_bytes(self, spec: ModelSpec, hw: HardwareProfile) -> int:
+        """The cache holds the dtype the model computes in (loading.TorchOptions): LOCALCTX_TORCH_DTYPE on this
+        machine where set, else bf16 on a CUDA GPU and float32 on a CPU."""
+        name = os.environ.get("LOCALCTX_TORCH_DTYPE") if hw.detected else None
+        if name in DTYPE_BYTES:
+            return DTYPE_BYTES[name]
+        return 2 if hw.kind == "cuda" else 4
 
     def capabilities(self) -> Capabilities:
         return Capabilities(kv_bits=frozenset({16, 8, 4}), split_kv=True, residual=True, sinks_window=True, heavy=True, batch=True,

@@ -11,6 +11,7 @@ pytest.importorskip("mlx_lm", reason="the MLX model zoo needs mlx-lm (pip instal
 
 from gguf_tiny import ARCHS, write  # noqa: E402
 from localctx.backends.base import GenerationParams  # noqa: E402
+from localctx.backends.mlx.backend import held_in_compute_dtype  # noqa: E402
 from localctx.backends.mlx.lm_cache import NativeCache  # noqa: E402
 from localctx.backends.mlx.policy_cache import FULL_STEP  # noqa: E402
 from localctx.backends.models.spec_reader import gguf_spec  # noqa: E402
@@ -29,7 +30,8 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_run_on_mlx_reports_the_buffers_it_grew_not_a_reservation(cli, tiny_gguf):
-    spec, fp16 = gguf_spec(tiny_gguf), KVPolicy.parse("fp16")
+    # the caches hold the dtype the model computes in (float32 on a CPU), and the plan counts it so
+    spec, fp16 = held_in_compute_dtype(gguf_spec(tiny_gguf)), KVPolicy.parse("fp16")
     res = cli("run", "-m", str(tiny_gguf), "--backend", "mlx", "--kv", "fp16", "--max-tokens", "4", "--json", "hello")
     assert res.code == 0, res.err
     out = json.loads(res.out)

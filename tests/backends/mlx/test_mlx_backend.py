@@ -10,7 +10,7 @@ mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx (pip inst
 
 from localctx.backends import registry  # noqa: E402
 from localctx.backends.base import GenerationParams  # noqa: E402
-from localctx.backends.mlx.backend import MLXBackend  # noqa: E402
+from localctx.backends.mlx.backend import MLXBackend, held_in_compute_dtype  # noqa: E402
 from localctx.backends.mlx.session import SessionOptions  # noqa: E402
 from localctx.backends.models.spec_reader import hf_spec  # noqa: E402
 from localctx.backends.models.ref import ModelRef  # noqa: E402
@@ -172,7 +172,7 @@ def test_cli_run_on_smollm2_reports_planned_bytes(capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["backend"] == "mlx" and out["text"].strip()
     stats = out["stats"]
-    spec = gguf_spec(bundled_default_path())
+    spec = held_in_compute_dtype(gguf_spec(bundled_default_path()))  # full precision: the dtype MLX computes in
     n_seen = stats["prompt_tokens"] + stats["generated_tokens"] - (1 if out["finish_reason"] == "length" else 0)
     assert stats["kv_bytes"] == cost.kv_bytes(spec, KVPolicy.parse("int4+res16+sink4+win64"), n_seen)
     assert np.isfinite(stats["decode_tok_s"])
