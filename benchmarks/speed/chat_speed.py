@@ -9,7 +9,11 @@ prompt and max tokens (greedy), each in a fresh process:
   `localctx run`, launch → its first answer byte on stdout.
 
 The ratios are taken within each pair (runs next to each other in time), since other jobs may
-share the machine. Writes JSON (default docs/results/run-chat/benchmarks-chat.json) and prints a markdown table.
+share the machine. Whole runs still drift between processes, so each answer also gets measures
+taken within it: its median step, and the share of its time that steps over 1.5x the median took
+beyond it (``slow_step_share``: in the chat, mostly the steps the UI's frames stalled). The chat's
+steps come from its session's decode clock; run's from the arrival of its stdout writes (one per
+token; where they merge, under ``chrt -r`` for one, run's are left out). Writes JSON (default docs/results/run-chat/benchmarks-chat.json) and prints a markdown table.
 
     python benchmarks/speed/chat_speed.py --pairs 3
 
@@ -51,6 +55,8 @@ from localctx.app.session_options import SessionRequest, plan_session
 from localctx.backends.base import GenerationParams
 
 model, kv, prompt, max_tokens = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
+sys.path.insert(0, sys.argv[5])  # this script's folder: slow_steps
+from chat_speed import slow_steps
 request = SessionRequest(model=model, backend="llamacpp", kv=kv)
 planned = plan_session(request)
 history, _ = History.open()
@@ -59,6 +65,16 @@ app = ChatApp(ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec
                         hardware=describe_hardware(), opener=Opener(planned, request)))
 stamps = []
 real_append = Answer.append
+# the decode clock at every streamed token, as the child's session counted it: the steps' own durations
+from localctx.app.chat.chat_engine import Streamed
+from localctx.app.chat.screens.chat_screen import ChatScreen
+decode_clock = []
+real_emit = ChatScreen.emit
+def emit(self, payload):
+    if isinstance(payload, Streamed) and payload.event.kind == "token":
+        decode_clock.append(payload.event.stats.decode_s)
+    real_emit(self, payload)
+ChatScreen.emit = emit
 async def append(self, fragment):
     if fragment:
         stamps.append(time.perf_counter())
@@ -88,7 +104,7 @@ print(json.dumps({"generated": stats.generated_tokens, "prompt_tokens": stats.pr
                   "ui_cpu_ms_per_token": round(1000 * ui_cpu / stats.generated_tokens, 3),
                   "ui_process_cpu_ms_per_token": round(1000 * process_cpu / stats.generated_tokens, 3),
                   "wall_tok_s": (stats.generated_tokens - 1) / (stamps[-1] - stamps[0]),
-                  "policy": str(planned.plan.policy)}))
+                  "policy": str(planned.plan.policy), **slow_steps(decode_clock)}))
 '''
 
 
@@ -153,6 +169,18 @@ print(json.dumps({"tokens": tokens, "tokens_per_s": rate, "frames": frames,
 '''
 
 
+def slow_steps(clock):
+    """``clock``: when each streamed token arrived (or the decode clock at it). Within one answer, so
+    the drift between processes that moves whole runs does not enter them: the median step, and the
+    steps over 1.5x it (the chat's UI drew a frame, or anything else took a core meanwhile) with the
+    share of the answer's time they took beyond the median step."""
+    steps = sorted(b - a for a, b in zip(clock, clock[1:]))
+    median = steps[len(steps) // 2]
+    slow = [d for d in steps if d > 1.5 * median]
+    return {"step_ms_median": round(1000 * median, 3), "slow_steps": len(slow),
+            "slow_step_share": round(sum(d - median for d in slow) / (clock[-1] - clock[0]), 4)}
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "localctx.app.cli", *args]
 
@@ -165,6 +193,7 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = last = None
+    arrivals = []  # each answer chunk's arrival: run writes and flushes every token
     while True:
         chunk = os.read(proc.stdout.fileno(), 4096)
         if not chunk:
@@ -173,17 +202,24 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
         if chunk.strip():
             first = first or now
             last = now
+        if chunk:
+            arrivals.append(now)
     err = proc.stderr.read().decode()
     if proc.wait() != 0:
         raise SystemExit(f"localctx run failed: {err.strip()}")
     match = STATS_LINE.search(err)
     prompt_tokens, generated, _, decode = int(match[1]), int(match[2]), float(match[3]), float(match[4])
     return {"generated": generated, "prompt_tokens": prompt_tokens, "decode_tok_s": decode,
-            "wall_tok_s": (generated - 1) / (last - first), "startup_s": first - start}
+            "wall_tok_s": (generated - 1) / (last - first), "startup_s": first - start, "chunks": len(arrivals),
+            # the first token's chunk and the final newline are not steps; where chunks merged (this
+            # process did not keep up with run's writes) they are no steps at all
+            **(slow_steps(arrivals[1:-1]) if len(arrivals) > generated else
+               {"step_ms_median": None, "slow_steps": None, "slow_step_share": None})}
 
 
 def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens)],
+    out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens),
+                          str(Path(__file__).resolve().parent)],
                          capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"the headless chat failed:\n{out.stderr}")
@@ -233,14 +269,20 @@ def ui_cost(out: Path, runs: int = 3, tokens: int = 2000, rate: float = 80.0) ->
     tmp.replace(out)
 
 
+def share(side: dict) -> str:
+    return "n/a" if side["slow_step_share"] is None else f"{side['slow_step_share']:.1%}"
+
+
 def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
 def write(out: Path, args: argparse.Namespace, pairs: list[dict]) -> dict:
     """Writes what was measured so far (after every pair: a long run cut short keeps its pairs)."""
-    summary = {key: median([p[key] for p in pairs]) for key in ("decode_ratio", "wall_ratio", "ready_over_run_startup")
-               if key in pairs[0]}
+    summary = {key: median([p[key] for p in pairs if p[key] is not None])
+               for key in ("decode_ratio", "wall_ratio", "run_slow_step_share", "chat_slow_step_share",
+                           "ready_over_run_startup")
+               if key in pairs[0] and any(p[key] is not None for p in pairs)}
     result = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "prompt": PROMPT,
               "max_tokens": args.max_tokens, "model": Path(args.model).name, "cpus": os.cpu_count(),
               "load_average_at_end": os.getloadavg(), "pairs": pairs, "median": summary}
@@ -282,18 +324,21 @@ def main() -> None:
                         pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
             pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
             pair["wall_ratio"] = round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
+            for side in ("run", "chat"):
+                pair[f"{side}_slow_step_share"] = pair[side]["slow_step_share"]
             if not args.no_ready:
                 pair["ready_over_run_startup"] = round(pair["chat"]["ready_s"] / pair["run"]["startup_s"], 3)
             pairs.append(pair)
             print(json.dumps(pair), file=sys.stderr)
             summary = write(Path(args.out), args, pairs)
     print("| pair | run decode tok/s | chat decode tok/s | ratio | run tokens/s (wall) | chat tokens/s (wall) | "
-          "ratio | run startup s | chat ready s | ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "ratio | slow steps' share: run / chat | run startup s | chat ready s | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for i, p in enumerate(pairs, 1):
         r, c = p["run"], p["chat"]
         print(f"| {i} | {r['decode_tok_s']:.1f} | {c['decode_tok_s']:.1f} | {p['decode_ratio']:.2f} | "
-              f"{r['wall_tok_s']:.1f} | {c['wall_tok_s']:.1f} | {p['wall_ratio']:.2f} | {r['startup_s']:.2f} | "
+              f"{r['wall_tok_s']:.1f} | {c['wall_tok_s']:.1f} | {p['wall_ratio']:.2f} | {share(r)} / {share(c)} | "
+              f"{r['startup_s']:.2f} | "
               f"{c.get('ready_s', float('nan')):.2f} | {p.get('ready_over_run_startup', float('nan')):.2f} |")
     print(f"medians: {summary}")
 
