@@ -13,7 +13,8 @@ share the machine. Whole runs still drift between processes, so each answer also
 taken within it: its median step, and the share of its time that steps over 1.5x the median took
 beyond it (``slow_step_share``: in the chat, mostly the steps the UI's frames stalled). The chat's
 steps come from its session's decode clock; run's from the arrival of its stdout writes (one per
-token; where they merge, under ``chrt -r`` for one, run's are left out). Writes JSON (default docs/results/run-chat/benchmarks-chat.json) and prints a markdown table.
+token; where fewer arrive, merged under ``chrt -r`` for one, run's are left out). Writes JSON
+(default docs/results/run-chat/benchmarks-chat.json) and prints a markdown table.
 
     python benchmarks/speed/chat_speed.py --pairs 3
 
@@ -211,8 +212,8 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
     prompt_tokens, generated, _, decode = int(match[1]), int(match[2]), float(match[3]), float(match[4])
     return {"generated": generated, "prompt_tokens": prompt_tokens, "decode_tok_s": decode,
             "wall_tok_s": (generated - 1) / (last - first), "startup_s": first - start, "chunks": len(arrivals),
-            # the first token's chunk and the final newline are not steps; where chunks merged (this
-            # process did not keep up with run's writes) they are no steps at all
+            # the first token's chunk and the final newline are not steps; where fewer chunks came than
+            # tokens (writes merged: this process did not keep up with run's) they are no steps at all
             **(slow_steps(arrivals[1:-1]) if len(arrivals) > generated else
                {"step_ms_median": None, "slow_steps": None, "slow_step_share": None})}
 
