@@ -15,7 +15,8 @@ from localctx.kvcache.model_spec import ModelSpec
 from localctx.kvcache.plan import Plan
 
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # loading.DTYPES' names (this module imports no torch)
+# every name loading.DTYPES takes, with its element size (this module imports no torch; a test ties the two)
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
 class TorchBackend(Backend):

@@ -96,3 +96,16 @@ def test_batched_decode_under_a_policy_matches_one_at_a_time(tiny_gguf, text):
         alone = [e.token for e in session_for(tiny_gguf, text, context=256).generate(prompt, params)
                  if e.kind == "token"]
         assert together[i] == alone
+
+
+@pytest.mark.parametrize("name", ["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"])
+def test_the_planner_counts_the_kv_element_every_torch_dtype_name_holds(monkeypatch, name):
+    from localctx.backends.torch.backend import DTYPE_BYTES, TorchBackend
+    from localctx.backends.torch.loading import DTYPES
+    from localctx.kvcache.hardware_profile import HardwareProfile
+    from localctx.kvcache.known_models import known_spec
+
+    assert DTYPE_BYTES.keys() == DTYPES.keys()  # the loader takes no name the planner does not know
+    here = HardwareProfile("cpu", "test CPU", 2**34, 2**33, 2e10, "table")
+    monkeypatch.setenv("LOCALCTX_TORCH_DTYPE", name)
+    assert TorchBackend().kv_elem_bytes(known_spec("llama-3-8b"), here) == torch.empty((), dtype=DTYPES[name]).element_size()
