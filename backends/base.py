@@ -191,6 +191,10 @@ class Session(ABC):
     backend_name: str
     prompt_cache = None  # a kvcache.prompt_cache.PromptCache once enable_prompt_cache() succeeded
     load_parts: dict[str, float] = {}  # seconds of the parts of its load a session timed (run --timings); read-only
+    # CPU threads a decode step keeps busy on this machine: llama.cpp's and torch's CPU threads, 1 for a
+    # GPU driven from one thread, 0 for a remote server; None: every core (the chat's frames then keep
+    # out of the decoder's way, app/chat/frames.py)
+    decode_threads: int | None = None
 
     @abstractmethod
     def generate(self, prompt: Prompt, params: GenerationParams = GenerationParams(),

@@ -59,6 +59,8 @@ def route_notices(session: Session, emit: Emit) -> None:
 
 
 class ChatEngine:
+    decodes_here = True  # the session runs in the UI's process (its threads share the UI's GIL)
+
     def __init__(self, reopen: Reopen, params: GenerationParams):
         self.session: Session | None = None  # until load() has run
         self.reopen = reopen

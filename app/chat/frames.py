@@ -3,10 +3,12 @@
 The worker thread that decodes adds each event to a FrameBuffer; the screen takes everything that
 arrived since its last frame. Per token the worker only appends to a list under a lock, and it
 wakes the UI thread once per frame, not once per token: on a 2-core machine every bit of UI work
-is taken from the decoder's threads. FramePacer spaces the frames: FRAME_INTERVAL apart, or
-further apart when drawing them costs the UI thread more than UI_SHARE of its time."""
+is taken from the decoder's threads. FramePacer spaces the frames: FRAME_INTERVAL apart, or, where
+the decoder keeps every core busy, further apart when drawing them costs the UI thread more than
+UI_SHARE of its time (ui_has_own_core says which)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -15,14 +17,33 @@ from typing import Callable
 from localctx.backends.base import GenerationEvent, GenerationStats
 
 FRAME_INTERVAL = 0.1  # seconds between two frames of a streaming answer (at most 10 frames a second)
-# At most this share of one core goes to the UI thread while an answer streams. llama.cpp's threads
-# use every core and spin-wait for each other, so a core's time taken by the UI stalls them all:
-# the decoder loses about what the UI takes (docs/benchmarks.md, "The chat against `localctx run`").
+# Where the decoder keeps every core busy, at most this share of one core goes to the UI thread while
+# an answer streams. llama.cpp's threads spin-wait for each other, so a core's time taken by the UI
+# stalls them all: the decoder loses about what the UI takes (docs/benchmarks.md, "The chat against
+# `localctx run`"). Where the UI has a core of its own (ui_has_own_core) frames are not held back.
 UI_SHARE = 0.02
 # However slow the drawing, the answer moves at least every MAX_INTERVAL. On a 2-core host under
 # load a frame of a long answer costs the UI thread 20-40 ms: at a 1 s cap the UI took ~4% of a core
 # and the chat decoded ~5% slower than `localctx run`; 2 s lets the pacer keep its UI_SHARE there.
 MAX_INTERVAL = 2.0
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity call
+        return os.cpu_count() or 1
+
+
+def ui_has_own_core(decode_threads: int | None, decodes_here: bool) -> bool:
+    """Whether drawing a frame takes nothing from the decoder: a server elsewhere decodes (no thread
+    here), or the model decodes in another process (no GIL shared) on fewer threads than there are
+    cores (a GPU driven from one thread, llama.cpp on the physical cores of an SMT machine).
+    ``decode_threads``: Session.decode_threads (None: every core)."""
+    if decode_threads == 0:
+        return True
+    return not decodes_here and decode_threads is not None and decode_threads < usable_cpus()
 
 
 @dataclass(frozen=True)
@@ -80,7 +101,8 @@ class FrameBuffer:
 class FramePacer:
     """When the next frame is due. The UI thread's CPU time between two frames is what drawing the
     last one cost (layout and render included); the next frame waits until that cost is at most
-    UI_SHARE of the time between frames, and never less than FRAME_INTERVAL."""
+    UI_SHARE of the time between frames, and never less than FRAME_INTERVAL. Where the UI has a core
+    of its own (``own_core``, from ui_has_own_core) frames come every FRAME_INTERVAL whatever they cost."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.thread_time):
         self._clock = clock
@@ -88,6 +110,7 @@ class FramePacer:
         self._last_wall: float | None = None
         self._last_cpu = 0.0
         self.interval = FRAME_INTERVAL
+        self.own_core = False  # until the loaded session says otherwise: the decoder may need every core
 
     def wait(self) -> float:
         """Seconds until the next frame may be drawn (0: now)."""
@@ -98,7 +121,7 @@ class FramePacer:
     def drawn(self) -> None:
         """Call when a frame is drawn: the UI time spent since the last one sets the next interval."""
         wall, cpu = self._clock(), self._cpu()
-        if self._last_wall is not None:
+        if self._last_wall is not None and not self.own_core:
             cost = cpu - self._last_cpu
             self.interval = min(MAX_INTERVAL, max(FRAME_INTERVAL, cost / UI_SHARE))
         self._last_wall, self._last_cpu = wall, cpu

@@ -54,10 +54,11 @@ class SessionInfo:
     backend_name: str
     spec: ModelSpec
     plan: Plan
+    decode_threads: int | None  # Session.decode_threads: the chat's frames pace themselves by it
 
     @classmethod
     def of(cls, session: Session) -> "SessionInfo":
-        return cls(session.backend_name, session.spec, session.plan)
+        return cls(session.backend_name, session.spec, session.plan, session.decode_threads)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ def child_main(conn, opener: Opener, params: GenerationParams) -> None:
 # -- the UI process ----------------------------------------------------------------------------
 class ProcessEngine:
     """ChatEngine's interface, with the session in a spawned child process."""
+    decodes_here = False
 
     def __init__(self, opener: Opener, params: GenerationParams):
         """Starts the child, which loads the planned model at once, while the UI comes up. Called

@@ -44,6 +44,7 @@ class FakeSession(Session):
         self.spec = FAKE_SPEC
         self.plan = plan
         self.backend_name = "fake"
+        self.decode_threads = 1  # its generator sleeps between tokens on one thread
         self.delay = delay
         self.history: list[str] = []  # tokens in the cache's stream, oldest first
         self.vocab: list[str] = []

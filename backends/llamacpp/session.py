@@ -137,6 +137,7 @@ class LlamaCppSession(Session):
             raise UserError(f"--context {plan.context:,} is past {self.spec.name}'s trained context "
                             f"({self.spec.context_length:,}); lower it or use a windowed --kv policy")
         n_threads = threads or default_threads()
+        self.decode_threads = n_threads
         # fp16 takes flash attention where it keeps a reused prefix exact here (reuse_probe.py): remembered
         # per model, CPU and build, else probed on the loaded weights below
         self.settings = shift.settings_for(plan, cal)

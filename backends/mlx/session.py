@@ -48,6 +48,7 @@ class MLXSession(Session):
         """``loaded``: a page's model (loading.py) or an mlx-lm model (zoo.py); either is called as
         ``loaded(tokens, cache, last_only)`` and makes its own cache for the plan's policy."""
         self.spec, self.plan, self.backend_name = spec, plan, "mlx"
+        self.decode_threads = 1 if mx.metal.is_available() else None  # MLX's CPU kernels and BLAS take every core
         self.model, self.tokenizer, self.options = loaded, tokenizer, options
         self.cache = loaded.make_cache(plan.policy, spec)
         self.fed: list[int] = []

@@ -163,6 +163,7 @@ class _Clock:
 
 class RemoteSession(Session):
     backend_name = "openai"
+    decode_threads = 0  # the server decodes
 
     def __init__(self, endpoints: list[Endpoint], req: RemoteRequest):
         self.endpoints = endpoints

@@ -56,6 +56,7 @@ class TorchSession(Session):
         # a cache of room for n tokens, where the plan lets this session grow (loading.build_session)
         self.resize: Callable[[int], object] | None = None
         self.engine_lock = threading.Lock()  # held while the engine runs (serving.SlotBatcher holds it too)
+        self.decode_threads = torch.get_num_threads() if engine.device == "cpu" else 1
 
     # -- prompts --------------------------------------------------------------------------
     def render(self, prompt: Prompt) -> str:

@@ -55,14 +55,15 @@ from localctx.app.history import History
 from localctx.app.session_options import SessionRequest, plan_session
 from localctx.backends.base import GenerationParams
 
-model, kv, prompt, max_tokens = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4])
+model, kv, prompt, max_tokens, backend = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), sys.argv[6]
 sys.path.insert(0, sys.argv[5])  # this script's folder: slow_steps
 from chat_speed import slow_steps
-request = SessionRequest(model=model, backend="llamacpp", kv=kv)
+request = SessionRequest(model=model, backend=backend, kv=kv)
 planned = plan_session(request)
 history, _ = History.open()
 app = ChatApp(ChatSetup(load=planned.load, plan=planned.plan, model=planned.spec.name, reopen=None,
-                        history=history, params=GenerationParams(max_tokens=max_tokens, temperature=0.0),
+                        history=history,  # `localctx chat`'s defaults, as run's: greedy, prompt lookup "auto"
+                        params=GenerationParams(max_tokens=max_tokens, temperature=0.0, speculate="auto"),
                         hardware=describe_hardware(), opener=Opener(planned, request)))
 stamps = []
 real_append = Answer.append
@@ -97,11 +98,12 @@ async def go():
             await asyncio.sleep(0.05)
         reply = chat.conv.messages[-1]
         return (reply.stats, chat.frames_drawn, time.thread_time() - ui_start,
-                time.process_time() - process_start)
-stats, frames, ui_cpu, process_cpu = asyncio.run(go())
+                time.process_time() - process_start, chat.pacer.own_core)
+stats, frames, ui_cpu, process_cpu, own_core = asyncio.run(go())
 app.engine.close()
 print(json.dumps({"generated": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens,
-                  "decode_tok_s": stats.decode_tok_s, "frames": frames,
+                  "decode_tok_s": stats.decode_tok_s, "tokens_per_step": stats.tokens_per_step,
+                  "frames": frames, "ui_own_core": own_core,
                   "ui_cpu_ms_per_token": round(1000 * ui_cpu / stats.generated_tokens, 3),
                   "ui_process_cpu_ms_per_token": round(1000 * process_cpu / stats.generated_tokens, 3),
                   "wall_tok_s": (stats.generated_tokens - 1) / (stamps[-1] - stamps[0]),
@@ -186,10 +188,10 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "localctx.app.cli", *args]
 
 
-def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
+def run_answer(model: str, kv: str | None, max_tokens: int, env: dict, backend: str) -> dict:
     """`localctx run` on PROMPT: its stats line, startup (launch → first answer byte), and tokens ÷
     the time between its first and last answer bytes."""
-    args = cli("run", PROMPT, "-m", model, "--backend", "llamacpp", "--max-tokens", str(max_tokens),
+    args = cli("run", PROMPT, "-m", model, "--backend", backend, "--max-tokens", str(max_tokens),
                *(["--kv", kv] if kv else []))
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
@@ -211,6 +213,7 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
     match = STATS_LINE.search(err)
     prompt_tokens, generated, _, decode = int(match[1]), int(match[2]), float(match[3]), float(match[4])
     return {"generated": generated, "prompt_tokens": prompt_tokens, "decode_tok_s": decode,
+            "stats_line": err[match.start():].splitlines()[0],
             "wall_tok_s": (generated - 1) / (last - first), "startup_s": first - start, "chunks": len(arrivals),
             # the first token's chunk and the final newline are not steps; where fewer chunks came than
             # tokens (writes merged: this process did not keep up with run's) they are no steps at all
@@ -218,22 +221,22 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
                {"step_ms_median": None, "slow_steps": None, "slow_step_share": None})}
 
 
-def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict) -> dict:
+def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict, backend: str) -> dict:
     out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens),
-                          str(Path(__file__).resolve().parent)],
+                          str(Path(__file__).resolve().parent), backend],
                          capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"the headless chat failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def chat_ready(model: str, kv: str | None, env: dict) -> float:
+def chat_ready(model: str, kv: str | None, env: dict, backend: str) -> float:
     """Seconds from launching `localctx chat` in a 120×40 tmux terminal to the panel saying "ready"."""
     tmux = shutil.which("tmux")
     if tmux is None:
         raise SystemExit("tmux is not installed (apt-get install -y tmux)")
     socket = f"chat-speed-{os.getpid()}"
-    command = " ".join(cli("chat", "-m", model, "--backend", "llamacpp", *(["--kv", kv] if kv else [])))
+    command = " ".join(cli("chat", "-m", model, "--backend", backend, *(["--kv", kv] if kv else [])))
 
     def tmux_run(*args: str) -> str:
         return subprocess.run([tmux, "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True,
@@ -285,7 +288,8 @@ def write(out: Path, args: argparse.Namespace, pairs: list[dict]) -> dict:
                            "ready_over_run_startup")
                if key in pairs[0] and any(p[key] is not None for p in pairs)}
     result = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "prompt": PROMPT,
-              "max_tokens": args.max_tokens, "model": Path(args.model).name, "cpus": os.cpu_count(),
+              "max_tokens": args.max_tokens, "model": Path(args.model).name, "backend": args.backend,
+              "cpus": os.cpu_count(), "torch_threads": os.environ.get("LOCALCTX_TORCH_THREADS"),
               "load_average_at_end": os.getloadavg(), "pairs": pairs, "median": summary}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
@@ -300,6 +304,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("-m", "--model", default=str(bundled_default_path()))
     ap.add_argument("--kv", default=None, help="KV policy for both (default: planned)")
+    ap.add_argument("--backend", default="llamacpp", help="backend for both (default llamacpp; torch reads "
+                    "LOCALCTX_TORCH_THREADS: with 1 on a 2-core machine the chat's UI has a core of its own)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--out", default=None, help="JSON path (default docs/results/run-chat/benchmarks-chat.json, -ui.json with --ui-cost)")
     ap.add_argument("--no-ready", action="store_true", help="skip the tmux startup timing (decode only)")
@@ -318,11 +324,11 @@ def main() -> None:
             pair: dict = {"order": list(order), "started": time.strftime("%H:%M:%S"), "load_average": os.getloadavg()[0]}
             for side in order:
                 if side == "run":
-                    pair["run"] = run_answer(args.model, args.kv, args.max_tokens, env)
+                    pair["run"] = run_answer(args.model, args.kv, args.max_tokens, env, args.backend)
                 else:
-                    pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env)
+                    pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env, args.backend)
                     if not args.no_ready:
-                        pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env)
+                        pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env, args.backend)
             pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
             pair["wall_ratio"] = round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
             for side in ("run", "chat"):

@@ -20,7 +20,7 @@ from textual.widgets import Footer, Header
 from localctx.app.chat import slash
 from localctx.app.chat.chat_engine import ChatEngine, Failed, Loaded, Notice, Replanned, Streamed
 from localctx.app.chat.figures import CacheFigures, SessionFacts
-from localctx.app.chat.frames import FrameBuffer, FramePacer
+from localctx.app.chat.frames import FrameBuffer, FramePacer, ui_has_own_core
 from localctx.app.chat.screens.conversations import ConversationsScreen
 from localctx.app.chat.screens.plan_screen import PlanScreen
 from localctx.app.chat.setup import ChatSetup
@@ -215,6 +215,7 @@ class ChatScreen(Screen):
             self.app.exit(return_code=1)
             return
         self.facts = SessionFacts.of(result.session, self.setup.hardware)
+        self.pacer.own_core = ui_has_own_core(result.session.decode_threads, self.engine.decodes_here)
         if self.busy:  # a question sent while the model loaded: its answer sets the panel's state
             self.panel.show(CacheFigures(self.facts, self.panel.figures.stats, self.panel.figures.state))
         else:
@@ -347,6 +348,7 @@ class ChatScreen(Screen):
         self.busy = False
         if result.session is not None:
             self.facts = SessionFacts.of(result.session, self.setup.hardware)
+            self.pacer.own_core = ui_has_own_core(result.session.decode_threads, self.engine.decodes_here)
             self.set_state("idle")
             await self.view.add_note(result.message + ". The next answer prefills this chat into the new cache.")
         else:

@@ -10,13 +10,14 @@ import time
 import pytest
 from markdown_it import MarkdownIt
 
-from localctx.app.chat.frames import FRAME_INTERVAL, MAX_INTERVAL, UI_SHARE, FrameBuffer, FramePacer
+from localctx.app.chat import frames as frames_module
+from localctx.app.chat.frames import FRAME_INTERVAL, MAX_INTERVAL, UI_SHARE, FrameBuffer, FramePacer, ui_has_own_core
 from localctx.app.chat.widgets.cache_panel import CachePanel
 from localctx.app.chat.widgets.conversation import Answer
 from localctx.backends.base import GenerationEvent, GenerationParams, GenerationStats, Session
 from localctx.backends.fake.session import FAKE_SPEC
 
-from chat_helpers import SIZE, fake_session, make_app, send, wait_until
+from chat_helpers import SIZE, RecordingSession, fake_session, make_app, send, wait_until
 
 TOKENS = 2000
 PARAGRAPH = 40  # tokens per paragraph; the last token of each ends it with a blank line
@@ -154,3 +155,48 @@ def test_pacer_spaces_frames_by_what_drawing_them_costs():
     assert pacer.interval == MAX_INTERVAL
     pacer.reset()
     assert pacer.wait() == 0 and pacer.interval == FRAME_INTERVAL
+
+
+def test_frames_are_not_held_back_where_the_ui_has_a_core_of_its_own():
+    now = {"wall": 100.0, "cpu": 5.0}
+    pacer = FramePacer(clock=lambda: now["wall"], cpu=lambda: now["cpu"])
+    pacer.own_core = True
+    pacer.drawn()
+    now["wall"] += FRAME_INTERVAL
+    now["cpu"] += 0.5 * MAX_INTERVAL * UI_SHARE  # a frame that would hold the next one back when cores are shared
+    pacer.drawn()
+    assert pacer.interval == FRAME_INTERVAL
+    pacer.own_core = False
+    now["wall"] += FRAME_INTERVAL
+    now["cpu"] += 0.5 * MAX_INTERVAL * UI_SHARE
+    pacer.drawn()
+    assert pacer.interval == pytest.approx(0.5 * MAX_INTERVAL)
+
+
+@pytest.mark.parametrize("decode_threads, decodes_here, cpus, own", [
+    (0, True, 1, True),  # a server elsewhere decodes: nothing here competes with the UI
+    (0, False, 2, True),
+    (1, False, 2, True),  # a GPU driven from one thread in the chat's child process
+    (8, False, 16, True),  # llama.cpp on the physical cores of an SMT machine
+    (2, False, 2, False),  # llama.cpp on every core (this project's 2-core hosts)
+    (1, True, 8, False),  # a model in the UI's own process shares its GIL
+    (None, False, 64, False),  # a session that may use every core (MLX on a CPU)
+])
+def test_the_ui_has_its_own_core_only_where_the_decoder_leaves_one(monkeypatch, decode_threads, decodes_here, cpus, own):
+    monkeypatch.setattr(frames_module, "usable_cpus", lambda: cpus)
+    assert ui_has_own_core(decode_threads, decodes_here) is own
+
+
+def test_a_remote_session_streams_at_the_frame_rate_and_a_local_one_in_process_is_paced(history):
+    """The screen asks the loaded session (Session.decode_threads) whether frames take from the decoder."""
+    class Remote(RecordingSession):
+        decode_threads = 0
+
+    async def own_core(session) -> bool:
+        app = make_app(history, session)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: app.chat.panel.figures.state == "idle")  # Loaded was handled
+            return app.chat.pacer.own_core
+
+    assert asyncio.run(own_core(Remote(fake_session()))) is True
+    assert asyncio.run(own_core(fake_session())) is False  # in the UI's process, on a thread of its own

@@ -9,6 +9,7 @@ import signal
 import statistics
 import time
 
+from localctx.app.chat.frames import usable_cpus
 from localctx.app.chat.widgets.conversation import Answer, Note
 from localctx.app.chat.worker_process import ProcessEngine
 
@@ -42,6 +43,9 @@ def test_answers_come_from_the_child_and_reuse_its_cache(history, monkeypatch):
             await wait_until(pilot, lambda: chat.panel.figures.state != "starting", timeout=10)
             assert chat.engine.process.pid != os.getpid() and chat.engine.process.is_alive()
             assert chat.facts.backend == "fake" and chat.panel.figures.state == "idle"
+            # the child's session decodes on one thread: with another core free, frames are not held back
+            assert chat.engine.session.decode_threads == 1
+            assert chat.pacer.own_core == (usable_cpus() > 1)
             await send_and_wait(pilot, "first question", timeout=30)
             first = chat.conv.messages[-1]
             await send_and_wait(pilot, "second question", timeout=30)
@@ -210,7 +214,8 @@ def test_the_uis_plan_follows_what_the_childs_session_allocated():
     child.engine.session = session
     engine = ProcessEngine.__new__(ProcessEngine)  # the UI side's reader alone, without a child process
     engine._conn, engine._closing, engine._state_lock, engine._pending = ui_end, True, threading.Lock(), None
-    engine.session = SessionInfo(session.backend_name, session.spec, session.plan.sized_to(1000, 1, kv))  # a copy
+    engine.session = SessionInfo(session.backend_name, session.spec, session.plan.sized_to(1000, 1, kv),  # a copy
+                                 session.decode_threads)
     seen = []
     engine._emit = lambda payload: seen.append((payload, engine.session.plan.allocated_context))
     reader = threading.Thread(target=engine._read)

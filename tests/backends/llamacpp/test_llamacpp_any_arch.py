@@ -9,6 +9,7 @@ pytest.importorskip("llama_cpp")
 from localctx.backends.base import GenerationParams  # noqa: E402
 from localctx.backends.llamacpp.backend import LlamaCppBackend  # noqa: E402
 from localctx.backends.llamacpp.shift import refusals, settings_for_policy  # noqa: E402
+from localctx.backends.llamacpp.session import default_threads  # noqa: E402
 from localctx.backends.models.spec_reader import gguf_spec  # noqa: E402
 from localctx.backends.models.ref import resolve  # noqa: E402
 from localctx.kvcache.plan import Plan  # noqa: E402
@@ -41,6 +42,7 @@ def test_recurrent_layers_refuse_a_window_with_the_reason():
 def test_a_prefix_older_than_the_window_is_not_reused_from_a_compact_swa_cache(gemma3):
     session = session_for(gemma3, "fp16", 4096)
     try:
+        assert session.decode_threads == default_threads()  # every physical core decodes
         assert session.settings.swa_full is False and session._n_swa == 512
         long = ("the " * 800).strip()
         list(session.generate(long, GenerationParams(max_tokens=2)))

@@ -41,6 +41,7 @@ def test_against_localctx_serve_the_plan_and_kv_policy_pass_through(localctx_ser
     session = open_remote(RemoteRequest(endpoints=(localctx_server,)))
     assert session.is_localctx and str(session.plan.policy) == "int8+sink4+win512" and not session.plan.exact
     assert session.plan.context == 2048 and session.spec.context_length == FAKE_SPEC.context_length
+    assert session.decode_threads == 0  # the server decodes: the chat's frames take nothing from it
     assert session.count_tokens(QUESTION) == FakeBackend(0.0).load(None, session.plan).count_tokens(QUESTION)
     events = list(session.generate(QUESTION, GenerationParams(max_tokens=5)))
     assert "".join(e.text for e in events) == "Reply: where do the sinks "

@@ -37,6 +37,7 @@ def session_for(path, text: str, context: int = 96):
 def test_each_policy_generates_with_the_cost_models_bytes(tiny_gguf, text):
     s = session_for(tiny_gguf, text)
     assert isinstance(s.engine.cache, PolicyKVCache)
+    assert s.decode_threads == torch.get_num_threads()  # a CPU engine keeps its threads busy
     events = list(s.generate("the hat in the tent " * 4, GenerationParams(max_tokens=40)))
     last = events[-1].stats
     streamed = s.engine.cache.length(0)
