@@ -20,7 +20,6 @@ import functools
 import hashlib
 import os
 import platform
-import re
 import shutil
 import subprocess
 import tempfile
@@ -79,8 +78,15 @@ def compiler_identity(compiler: str, flags: tuple[str, ...]) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{os.path.realpath(compiler)}: no dry run ({type(exc).__name__})"
     kept = [line.strip() for line in lines if " version " in line]
-    kept += [" ".join(t for t in line.split() if "/" not in t) for line in lines if re.search(r"cc1|-cc1\b", line)]
+    kept += [" ".join(t for t in line.split() if "/" not in t) for line in lines if _runs_compiler_proper(line)]
     return "\n".join([os.path.realpath(compiler), *kept])
+
+
+def _runs_compiler_proper(line: str) -> bool:
+    """A dry run's line that runs GCC's cc1 or clang's -cc1 (not the assembler: its temporary
+    file, /tmp/cc??????.s, may itself start with "cc1")."""
+    tokens = [token.strip('"') for token in line.split()]
+    return bool(tokens) and (os.path.basename(tokens[0]) == "cc1" or "-cc1" in tokens)
 
 
 def _target(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:

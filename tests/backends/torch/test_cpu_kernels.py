@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,23 @@ def test_the_build_is_keyed_on_cpu_features_and_compiler_not_the_host_name(fresh
     with monkeypatch.context() as m:  # another compiler, or what -march=native means to it here
         m.setattr(build, "compiler_identity", lambda c, f: "gcc version 99.1.0\n-march=futurelake -mamx-tile")
         assert build._target(source, compiler, flags) != here
+
+
+def test_compiler_identity_ignores_the_assemblers_temporary_file(monkeypatch):
+    """GCC names its temporary assembly /tmp/cc??????.s: one that starts with "cc1" is not cc1's line
+    (it made the identity, and the kernels' cache key, change once in ~60 runs)."""
+    dry_run = ('gcc version 12.2.0 (Debian 12.2.0-14)\n'
+               ' /usr/lib/gcc/x86_64-linux-gnu/12/cc1 -quiet /dev/null "-march=znver3" -mavx2 -o /tmp/cc1xYz9Q.s\n'
+               ' as --64 -o /dev/null /tmp/cc1xYz9Q.s\n')
+    monkeypatch.setattr(build.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout="", stderr=dry_run))
+    build.compiler_identity.cache_clear()
+    try:
+        identity = build.compiler_identity("/usr/bin/gcc", ("-march=native",))
+    finally:
+        build.compiler_identity.cache_clear()
+    assert identity.splitlines()[1:] == ["gcc version 12.2.0 (Debian 12.2.0-14)",
+                                         '-quiet "-march=znver3" -mavx2 -o']
 
 
 def test_compiler_identity_says_what_native_means_here_and_is_stable():
