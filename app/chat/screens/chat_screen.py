@@ -209,13 +209,17 @@ class ChatScreen(Screen):
         elif isinstance(payload, Notice):  # above the answer it came with, if one is streaming
             await self.view.add_note(payload.message, before=self.answer)
 
+    def take_session(self, session) -> None:
+        """A session was loaded or re-planned: the panel's facts, and whether frames take from its decoder."""
+        self.facts = SessionFacts.of(session, self.setup.hardware)
+        self.pacer.own_core = ui_has_own_core(session.decode_threads, self.engine.decodes_here)
+
     def loaded(self, result: Loaded) -> None:
         if result.session is None:
             self.app.load_error = result.error
             self.app.exit(return_code=1)
             return
-        self.facts = SessionFacts.of(result.session, self.setup.hardware)
-        self.pacer.own_core = ui_has_own_core(result.session.decode_threads, self.engine.decodes_here)
+        self.take_session(result.session)
         if self.busy:  # a question sent while the model loaded: its answer sets the panel's state
             self.panel.show(CacheFigures(self.facts, self.panel.figures.stats, self.panel.figures.state))
         else:
@@ -347,8 +351,7 @@ class ChatScreen(Screen):
     async def replanned(self, result: Replanned) -> None:
         self.busy = False
         if result.session is not None:
-            self.facts = SessionFacts.of(result.session, self.setup.hardware)
-            self.pacer.own_core = ui_has_own_core(result.session.decode_threads, self.engine.decodes_here)
+            self.take_session(result.session)
             self.set_state("idle")
             await self.view.add_note(result.message + ". The next answer prefills this chat into the new cache.")
         else:
