@@ -101,8 +101,12 @@ class FrameBuffer:
 class FramePacer:
     """When the next frame is due. The UI thread's CPU time between two frames is what drawing the
     last one cost (layout and render included); the next frame waits until that cost is at most
-    UI_SHARE of the time between frames, and never less than FRAME_INTERVAL. Where the UI has a core
-    of its own (``own_core``, from ui_has_own_core) frames come every FRAME_INTERVAL whatever they cost."""
+    UI_SHARE of the time between frames, and never less than FRAME_INTERVAL. The time the UI has spent
+    since the last frame counts as soon as it is spent (``wait`` reads it), so the frame just drawn,
+    whose layout runs after the screen's draw call returns, holds back the next one at once, not only
+    the one after (the answer's second frame no longer comes FRAME_INTERVAL after its first whatever
+    the first cost). Where the UI has a core of its own (``own_core``, from ui_has_own_core) frames
+    come every FRAME_INTERVAL whatever they cost."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.thread_time):
         self._clock = clock
@@ -113,10 +117,15 @@ class FramePacer:
         self.own_core = False  # until the loaded session says otherwise: the decoder may need every core
 
     def wait(self) -> float:
-        """Seconds until the next frame may be drawn (0: now)."""
+        """Seconds until the next frame may be drawn (0: now): ``interval`` after the last one, or
+        longer while the UI time spent since it asks for more. Call from the UI thread, again when
+        that time has passed (the UI may have spent more meanwhile)."""
         if self._last_wall is None:
             return 0.0
-        return max(0.0, self._last_wall + self.interval - self._clock())
+        gap = self.interval
+        if not self.own_core:
+            gap = min(MAX_INTERVAL, max(gap, (self._cpu() - self._last_cpu) / UI_SHARE))
+        return max(0.0, self._last_wall + gap - self._clock())
 
     def drawn(self) -> None:
         """Call when a frame is drawn: the UI time spent since the last one sets the next interval."""

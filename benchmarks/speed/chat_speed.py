@@ -83,7 +83,14 @@ async def append(self, fragment):
     await real_append(self, fragment)
 Answer.append = append
 
+ended = []  # set when the answer has ended: this script waits for it without waking the UI's thread
+real_ended = ChatScreen.answer_ended
+async def answer_ended(self):
+    await real_ended(self)
+    ended[0].set()
+ChatScreen.answer_ended = answer_ended
 async def go():
+    ended.append(asyncio.Event())
     async with app.run_test(size=(120, 40)) as pilot:
         chat = app.chat
         while chat.engine.session is None:  # asyncio.sleep, not pilot.pause: that would force extra redraws
@@ -94,8 +101,7 @@ async def go():
         ui_start = time.thread_time()  # this thread is the UI's: its CPU time while the answer streams
         process_start = time.process_time()  # and all of this process's threads (the pipe's reader too)
         await pilot.press("enter")
-        while not (chat.turn == 1 and not chat.busy):
-            await asyncio.sleep(0.05)
+        await ended[0].wait()  # not a loop polling chat.busy: 20 wake-ups a second of the UI's thread
         reply = chat.conv.messages[-1]
         return (reply.stats, chat.frames_drawn, time.thread_time() - ui_start,
                 time.process_time() - process_start, chat.pacer.own_core)

@@ -162,15 +162,23 @@ class ChatScreen(Screen):
 
     @on(FrameReady)
     async def frame_ready(self, message: FrameReady) -> None:
-        """Draws now if a frame is due (or the answer ended), else when the pacer says it is."""
+        if self._frame_timer is None or (self.frames is not None and self.frames.finished):
+            await self.frame_due()
+
+    async def frame_due(self) -> None:
+        """Draws now if a frame is due (or the answer ended), else looks again when the pacer says:
+        by then the UI may have spent more time (the last frame's layout), which puts it off again."""
+        if self._frame_timer is not None:
+            self._frame_timer.stop()
+            self._frame_timer = None
         frames = self.frames
         if frames is None or self.answer is None:  # no answer streams: a wake-up after its last frame
             return
         wait = self.pacer.wait()
         if wait <= 0 or frames.finished:
             await self.draw_frame()
-        elif self._frame_timer is None:
-            self._frame_timer = self.set_timer(wait, self.draw_frame, name="answer frame")
+        else:
+            self._frame_timer = self.set_timer(wait, self.frame_due, name="answer frame")
 
     async def draw_frame(self) -> None:
         """One frame: the text streamed since the last one goes to the answer in one append, and the

@@ -157,6 +157,27 @@ def test_pacer_spaces_frames_by_what_drawing_them_costs():
     assert pacer.wait() == 0 and pacer.interval == FRAME_INTERVAL
 
 
+def test_the_time_a_frame_costs_after_it_is_drawn_holds_back_the_next_one_at_once():
+    """The frame's layout runs after the screen's draw call (when the pacer heard of it): the UI time
+    spent since then puts the next frame off as soon as it is spent, the answer's second frame too."""
+    now = {"wall": 100.0, "cpu": 5.0}
+    pacer = FramePacer(clock=lambda: now["wall"], cpu=lambda: now["cpu"])
+    pacer.drawn()  # the answer's first frame, drawn at once
+    assert pacer.wait() == pytest.approx(FRAME_INTERVAL)  # nothing spent on it yet
+    now["wall"] += 0.05
+    cost = 0.02  # its layout and render, after draw_frame returned
+    now["cpu"] += cost
+    assert pacer.wait() == pytest.approx(cost / UI_SHARE - 0.05)  # not FRAME_INTERVAL - 0.05
+    now["wall"] += cost / UI_SHARE - 0.05
+    assert pacer.wait() == pytest.approx(0)
+    now["cpu"] += 10 * MAX_INTERVAL * UI_SHARE  # however much it spends, the answer moves every MAX_INTERVAL
+    assert pacer.wait() == pytest.approx(MAX_INTERVAL - cost / UI_SHARE)
+    pacer.own_core = True  # a core of its own: FRAME_INTERVAL whatever the UI spends
+    assert pacer.wait() == 0
+    pacer.reset()
+    assert pacer.wait() == 0  # a new answer's first frame: at once
+
+
 def test_frames_are_not_held_back_where_the_ui_has_a_core_of_its_own():
     now = {"wall": 100.0, "cpu": 5.0}
     pacer = FramePacer(clock=lambda: now["wall"], cpu=lambda: now["cpu"])
