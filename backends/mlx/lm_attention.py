@@ -71,14 +71,20 @@ class HeldKV:
     def n_quantized(self) -> int:
         return self.store.n_tokens
 
-    def dense(self) -> tuple[mx.array, mx.array]:
-        """(Hkv, N, D) float32 keys and values, quantized first: the dequantize-then-attend form."""
+    def dense(self, quantized: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
+        """(Hkv, N, D) float32 keys and values, quantized first: the dequantize-then-attend form.
+        ``quantized``: the store's part, dense_store() of this store, where the caller keeps it."""
         ks, vs = [self.k_full.astype(mx.float32)], [self.v_full.astype(mx.float32)]
         if self.n_quantized:
-            st = self.store
-            ks.insert(0, dense_keys(st, self.fmt))
-            vs.insert(0, dequantize_values(st.v_codes, st.v_scales, st.v_mins, self.fmt))
+            k, v = quantized or self.dense_store()
+            ks.insert(0, k)
+            vs.insert(0, v)
         return mx.concatenate(ks, axis=1), mx.concatenate(vs, axis=1)
+
+    def dense_store(self) -> tuple[mx.array, mx.array]:
+        """(Hkv, Nq, D) float32 keys and values of the quantized store."""
+        st = self.store
+        return dense_keys(st, self.fmt), dequantize_values(st.v_codes, st.v_scales, st.v_mins, self.fmt)
 
 
 def attention(queries: mx.array, held: HeldKV, scale: float, mask) -> mx.array:

@@ -36,6 +36,9 @@ class PolicyKVCache(LayerCache):
     def __init__(self, policy: KVPolicy, shape: CacheShape):
         super().__init__(policy, shape, mx.zeros((shape.head_dim // 2,), mx.float32))
         self.held: HeldKV | None = None  # what the step's attention sees (set by update_and_fetch)
+        # the model attends on its own over what update_and_fetch returns (a step ended without attend)
+        self.attends_itself = False
+        self._store_dense: tuple[QuantStore, mx.array, mx.array] | None = None  # (store, its keys, values)
 
     # the store keeps keys transposed, as mx.quantized_matmul reads them (lm_attention.py)
     def empty_store(self) -> QuantStore:
@@ -68,12 +71,26 @@ class PolicyKVCache(LayerCache):
         dequantized, the chunk's own last and in order, for a model that attends on its own: MLX is
         lazy, so where ``attend`` runs instead they are never computed."""
         dtype = keys.dtype
+        if self.held is not None:  # the last step's attention did not come to attend()
+            self.attends_itself, self._store_dense = True, None
         self.held = None  # no view of the buffers may live across the write (full_rows.py)
         self._append(keys[0], values[0])
         self.held = HeldKV(self.store, self.k_full, self.v_full, self.fmt)
         self._age_and_evict()
-        k, v = self.held.dense()
+        k, v = self.held.dense(None if self.attends_itself else self._quantized_dense(self.held))
         return k[None].astype(dtype), v[None].astype(dtype)
+
+    def _quantized_dense(self, held: HeldKV) -> tuple[mx.array, mx.array] | None:
+        """The quantized store's dense keys and values, built once per store (it changes when a group
+        is quantized, every group_size tokens), not at every step: where attend() takes the step they
+        are never computed, and building their graph for 30 layers cost ~3 ms a step on a CPU, ~3% of a
+        135M model's decode there (docs/benchmarks-mlx.md). A model that attends on its own instead
+        (found after its first step) has them built afresh at each step, so it holds no dense copy."""
+        if not held.n_quantized:
+            return None
+        if self._store_dense is None or self._store_dense[0] is not held.store:
+            self._store_dense = (held.store, *held.dense_store())
+        return self._store_dense[1:]
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
         """Attention of ``queries`` (B, Hq, L, D) over what the last ``update_and_fetch`` held
