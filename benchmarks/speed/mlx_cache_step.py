@@ -2,7 +2,7 @@
 SmolLM2-135M's shape (30 layers, 3 KV heads, 9 query heads, head dim 64) append one token's keys and
 values to a cache already holding ``n`` tokens and attend one query over it, evaluated per step:
 
-    python benchmarks/speed/mlx_cache_step.py [--contexts 160,1024] [--steps 48] [--reps 3]
+    python benchmarks/speed/mlx_cache_step.py [--contexts 160,1024] [--steps 48] [--reps 3] [--variants ...]
 
 - ``localctx``: lm_cache.PolicyKVCache at fp16 (float16 rows written in place, backends/mlx/full_rows.py;
   attention over them cast to the queries' float32);
@@ -11,7 +11,11 @@ values to a cache already holding ``n`` tokens and attend one query over it, eva
 - ``mlx-lm``: mlx-lm's KVCache (float32 rows, the model's dtype off Metal, written in place) and
   ``mx.fast.scaled_dot_product_attention``, as ``mlx_lm.generate`` runs it;
 - ``cast-only``: converting the held float16 keys and values to float32, the one step localctx's fp16
-  attention has that mlx-lm's has not.
+  attention has that mlx-lm's has not;
+- with ``--variants``, also ``int4`` (lm_cache.PolicyKVCache at int4, full precision in float32),
+  ``int4-fresh`` (the same, building its quantized store's dense keys and values anew at every step,
+  as a cache does for a model that attends on its own and as every cache did before 2026-12-07) and
+  ``mlx-lm-int4`` (mlx-lm's QuantizedKVCache, 4 bits, group 64).
 
 Prints one JSON object: median milliseconds per step (all 30 layers) per variant and context."""
 from __future__ import annotations
@@ -33,11 +37,23 @@ from localctx.kvcache.policy import KVPolicy
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 30, 3, 9, 64
 
 
+VARIANTS = ("localctx", "localctx-concat", "mlx-lm", "cast-only")  # the default
+ALL_VARIANTS = VARIANTS + ("int4", "int4-fresh", "mlx-lm-int4")
+
+
 def caches(variant: str) -> list:
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     if variant == "mlx-lm":
         return [KVCache() for _ in range(LAYERS)]
+    if variant == "mlx-lm-int4":
+        return [QuantizedKVCache(group_size=64, bits=4) for _ in range(LAYERS)]
+    if variant in ("int4", "int4-fresh"):
+        out = [PolicyKVCache(KVPolicy.parse("int4"), CacheShape(KV_HEADS, HEAD_DIM, mx.float32, False))
+               for _ in range(LAYERS)]
+        for c in out:
+            c.attends_itself = variant == "int4-fresh"
+        return out
     out = [PolicyKVCache(KVPolicy(), CacheShape(KV_HEADS, HEAD_DIM, mx.float16, False)) for _ in range(LAYERS)]
     if variant == "localctx-concat":
         for c in out:
@@ -47,7 +63,9 @@ def caches(variant: str) -> list:
 
 def held(cache) -> list[mx.array]:
     if isinstance(cache, PolicyKVCache):
-        return [cache.full.k, cache.full.v]
+        return [cache.full.k, cache.full.v, *cache.store.arrays()]
+    if isinstance(cache.keys, tuple):  # mlx-lm's QuantizedKVCache: (codes, scales, biases)
+        return [*cache.keys, *cache.values]
     return [cache.keys, cache.values]
 
 
@@ -83,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="160,1024")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {','.join(ALL_VARIANTS)}")
     args = ap.parse_args(argv)
     route_attention()
     contexts = [int(c) for c in args.contexts.split(",")]
-    variants = ("localctx", "localctx-concat", "mlx-lm", "cast-only")
+    variants = tuple(args.variants.split(","))
+    unknown = set(variants) - set(ALL_VARIANTS)
+    if unknown:
+        ap.error(f"unknown variant {sorted(unknown)[0]!r}; choose from {', '.join(ALL_VARIANTS)}")
     runs = {v: {n: [] for n in contexts} for v in variants}
     load_before = os.getloadavg()
     for _ in range(args.reps):
