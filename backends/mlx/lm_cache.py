@@ -96,6 +96,8 @@ class PolicyKVCache(LayerCache):
         """Attention of ``queries`` (B, Hq, L, D) over what the last ``update_and_fetch`` held
         (let go here: the step's graph keeps what it needs, the cache no more than its bytes)."""
         held, self.held = self.held, None
+        if self._store_dense is not None and self._store_dense[0] is not self.store:
+            self._store_dense = None  # a group was quantized this step: the old store goes with the step
         return lm_attention.attention(queries, held, scale, mask)
 
     @property

@@ -126,15 +126,22 @@ def test_a_routed_layer_builds_its_quantized_keys_dense_once_per_store(tiny_fold
     built = []
     real = HeldKV.dense_store
     monkeypatch.setattr(HeldKV, "dense_store", lambda self: built.append(self.store) or real(self))
-    ids = session.tokenizer.encode("the cache keeps sinks and a window of recent tokens " * 8)[:130]
-    session.feed(ids[:70])
-    for t in ids[70:]:
-        session.feed([t])
+    ids = session.tokenizer.encode("the cache keeps sinks and a window of recent tokens " * 30)[:170]
+    assert len(ids) == 170
     layers = session.cache.layers
+    session.feed(ids[:70])
+    replaced = 0
+    for t in ids[70:]:
+        before = layers[0].store
+        session.feed([t])
+        replaced += layers[0].store is not before  # a group was quantized in this step
+        for layer in layers:  # none keeps a store it replaced this step past the step
+            assert layer._store_dense is None or layer._store_dense[0] is layer.store
+    assert replaced >= 2
     assert not any(layer.attends_itself for layer in layers)
     stores = {id(s) for s in built}
     assert len(built) == len(stores)  # each store's dense graph built once
-    assert len(built) <= len(layers) * (1 + (130 - 70) // 32 + 1) < len(layers) * (130 - 70)
+    assert len(built) <= len(layers) * (1 + replaced + 1) < len(layers) * (170 - 70)
 
 
 def test_a_model_that_attends_on_its_own_gets_the_held_keys_fresh_at_every_step(tiny_folder, monkeypatch):  # noqa: F811
@@ -143,7 +150,7 @@ def test_a_model_that_attends_on_its_own_gets_the_held_keys_fresh_at_every_step(
     dense copy of their store."""
     import sys
     session, _ = tiny_session(tiny_folder, "int4+g32", graph="mlx-lm")
-    ids = session.tokenizer.encode("the cache keeps sinks and a window of recent tokens " * 8)[:120]
+    ids = session.tokenizer.encode("the cache keeps sinks and a window of recent tokens " * 30)[:170]
     routed = [session.feed(ids[:70])] + [session.feed([t]) for t in ids[70:]]
     module = sys.modules[type(session.model.model).__module__]
 
