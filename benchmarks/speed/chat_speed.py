@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a bottle. "
@@ -55,8 +56,9 @@ from localctx.app.history import History
 from localctx.app.session_options import SessionRequest, plan_session
 from localctx.backends.base import GenerationParams
 
-model, kv, prompt, max_tokens, backend = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), sys.argv[6]
-sys.path.insert(0, sys.argv[5])  # this script's folder: slow_steps
+work = json.loads(sys.argv[1])  # Work's fields, and this script's folder and the prompt
+model, kv, prompt, max_tokens, backend = work["model"], work["kv"], work["prompt"], work["max_tokens"], work["backend"]
+sys.path.insert(0, work["folder"])  # for slow_steps
 from chat_speed import slow_steps
 request = SessionRequest(model=model, backend=backend, kv=kv)
 planned = plan_session(request)
@@ -194,13 +196,25 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "localctx.app.cli", *args]
 
 
-def run_answer(model: str, kv: str | None, max_tokens: int, env: dict, backend: str) -> dict:
+@dataclass(frozen=True)
+class Work:
+    """What both sides run: the same model, KV policy, answer length and backend, in ``env``."""
+    model: str
+    kv: str | None
+    max_tokens: int
+    backend: str
+    env: dict
+
+    def model_args(self) -> list[str]:
+        return ["-m", self.model, "--backend", self.backend, *(["--kv", self.kv] if self.kv else [])]
+
+
+def run_answer(work: Work) -> dict:
     """`localctx run` on PROMPT: its stats line, startup (launch → first answer byte), and tokens ÷
     the time between its first and last answer bytes."""
-    args = cli("run", PROMPT, "-m", model, "--backend", backend, "--max-tokens", str(max_tokens),
-               *(["--kv", kv] if kv else []))
+    args = cli("run", PROMPT, *work.model_args(), "--max-tokens", str(work.max_tokens))
     start = time.perf_counter()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=work.env)
     first = last = None
     arrivals = []  # each answer chunk's arrival: run writes and flushes every token
     while True:
@@ -227,26 +241,27 @@ def run_answer(model: str, kv: str | None, max_tokens: int, env: dict, backend: 
                {"step_ms_median": None, "slow_steps": None, "slow_step_share": None})}
 
 
-def chat_answer(model: str, kv: str | None, max_tokens: int, env: dict, backend: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHAT_ONCE, model, kv or "", PROMPT, str(max_tokens),
-                          str(Path(__file__).resolve().parent), backend],
-                         capture_output=True, text=True, env=env, timeout=1800)
+def chat_answer(work: Work) -> dict:
+    args = {"model": work.model, "kv": work.kv, "prompt": PROMPT, "max_tokens": work.max_tokens,
+            "backend": work.backend, "folder": str(Path(__file__).resolve().parent)}
+    out = subprocess.run([sys.executable, "-c", CHAT_ONCE, json.dumps(args)],
+                         capture_output=True, text=True, env=work.env, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"the headless chat failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def chat_ready(model: str, kv: str | None, env: dict, backend: str) -> float:
+def chat_ready(work: Work) -> float:
     """Seconds from launching `localctx chat` in a 120×40 tmux terminal to the panel saying "ready"."""
     tmux = shutil.which("tmux")
     if tmux is None:
         raise SystemExit("tmux is not installed (apt-get install -y tmux)")
     socket = f"chat-speed-{os.getpid()}"
-    command = " ".join(cli("chat", "-m", model, "--backend", backend, *(["--kv", kv] if kv else [])))
+    command = " ".join(cli("chat", *work.model_args()))
 
     def tmux_run(*args: str) -> str:
         return subprocess.run([tmux, "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True,
-                              env=env, timeout=30).stdout
+                              env=work.env, timeout=30).stdout
 
     start = time.perf_counter()
     tmux_run("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", command)
@@ -260,7 +275,7 @@ def chat_ready(model: str, kv: str | None, env: dict, backend: str) -> float:
             time.sleep(0.05)
         raise SystemExit("localctx chat did not say ready within 300 s")
     finally:
-        subprocess.run([tmux, "-L", socket, "kill-server"], capture_output=True, env=env, timeout=30)
+        subprocess.run([tmux, "-L", socket, "kill-server"], capture_output=True, env=work.env, timeout=30)
 
 
 def ui_cost(out: Path, runs: int = 3, tokens: int = 2000, rate: float = 80.0) -> None:
@@ -325,16 +340,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as data:
         env = dict(os.environ, LOCALCTX_DATA_DIR=data, TERM="xterm-256color")
         env.pop("TMUX", None)
+        work = Work(args.model, args.kv, args.max_tokens, args.backend, env)
         for i in range(args.pairs):  # alternate which goes first, so neither always has the warmer cache
             order = ("run", "chat") if i % 2 == 0 else ("chat", "run")
             pair: dict = {"order": list(order), "started": time.strftime("%H:%M:%S"), "load_average": os.getloadavg()[0]}
             for side in order:
                 if side == "run":
-                    pair["run"] = run_answer(args.model, args.kv, args.max_tokens, env, args.backend)
+                    pair["run"] = run_answer(work)
                 else:
-                    pair["chat"] = chat_answer(args.model, args.kv, args.max_tokens, env, args.backend)
+                    pair["chat"] = chat_answer(work)
                     if not args.no_ready:
-                        pair["chat"]["ready_s"] = chat_ready(args.model, args.kv, env, args.backend)
+                        pair["chat"]["ready_s"] = chat_ready(work)
             pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
             pair["wall_ratio"] = round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
             for side in ("run", "chat"):
