@@ -81,7 +81,7 @@ def emit(self, payload):
 ChatScreen.emit = emit
 async def append(self, fragment):
     if fragment:
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), app.chat.last_stats.generated_tokens))  # tokens drawn by then
     await real_append(self, fragment)
 Answer.append = append
 
@@ -114,7 +114,8 @@ print(json.dumps({"generated": stats.generated_tokens, "prompt_tokens": stats.pr
                   "frames": frames, "ui_own_core": own_core,
                   "ui_cpu_ms_per_token": round(1000 * ui_cpu / stats.generated_tokens, 3),
                   "ui_process_cpu_ms_per_token": round(1000 * process_cpu / stats.generated_tokens, 3),
-                  "wall_tok_s": (stats.generated_tokens - 1) / (stamps[-1] - stamps[0]),
+                  # the tokens drawn between the first and the last frame with text (a frame may carry none)
+                  "wall_tok_s": (stamps[-1][1] - stamps[0][1]) / (stamps[-1][0] - stamps[0][0]),
                   "policy": str(planned.plan.policy), **slow_steps(decode_clock)}))
 '''
 
