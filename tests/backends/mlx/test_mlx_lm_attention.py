@@ -121,7 +121,7 @@ def dense_attend(held, queries, scale, mask):
 def test_a_routed_layer_builds_its_quantized_keys_dense_once_per_store(tiny_folder, monkeypatch):  # noqa: F811
     """Where attend() takes every step, update_and_fetch's dense keys and values (for a model that
     attends on its own) reuse one graph of the quantized store until a group is quantized, instead of
-    building it at every step (~3 ms a step for 30 layers on a CPU, never computed)."""
+    building it at every step (Python work for a graph never computed: docs/benchmarks-mlx.md)."""
     session, _ = tiny_session(tiny_folder, "int4+g32", graph="mlx-lm")
     built = []
     real = HeldKV.dense_store
