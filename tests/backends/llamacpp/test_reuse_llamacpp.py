@@ -32,7 +32,8 @@ def tokens_of(session, prompt, speculate: str, n: int = 48):
 
 
 def one_token_steps(session, prompt, n: int) -> list[int]:
-    """Greedy decoding one llama.cpp step per token (what --speculate off runs)."""
+    """Greedy decoding one llama.cpp step per token (what --speculate off runs), up to the model's
+    end-of-generation token, where an answer stops (not included, as in an answer's tokens)."""
     import llama_cpp
     import numpy as np
 
@@ -42,8 +43,11 @@ def one_token_steps(session, prompt, n: int) -> list[int]:
     for _ in range(n):
         row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(session.llm._ctx.ctx, -1),
                                     shape=(session.llm.n_vocab(),))
-        tokens.append(int(np.argmax(row)))
-        session.llm.eval([tokens[-1]])
+        token = int(np.argmax(row))
+        if token in session.eog:
+            break
+        tokens.append(token)
+        session.llm.eval([token])
     return tokens
 
 
