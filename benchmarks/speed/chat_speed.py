@@ -4,7 +4,8 @@ prompt and max tokens (greedy), each in a fresh process:
 - decode: `localctx run` (its own stats line, and tokens ÷ the time between its first and last
   answer bytes on stdout) against the chat app driven headless with Textual's pilot, its model in
   a child process as `localctx chat` runs it (the answer's own stats, and tokens ÷ the time between
-  the first and the last frame that drew answer text);
+  the first and the last frame that drew answer text); with --terminal, `localctx chat` itself in a
+  120×40 tmux terminal instead, as a user runs it (the answer's stats line: decode only);
 - startup: `localctx chat` in a tmux terminal, launch → the panel says "ready", against
   `localctx run`, launch → its first answer byte on stdout.
 
@@ -43,6 +44,7 @@ PROMPT = ("Write a long story about a lighthouse keeper who finds a message in a
           "Tell it in many paragraphs, with dialogue.")
 MAX_TOKENS = 500
 STATS_LINE = re.compile(r"\[(\d+) prompt tokens, (\d+) generated, prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s")
+ANSWER_STATS = r"([\d,]+) tokens · decode ([\d.]+) tok/s"  # the chat's line under a finished answer
 
 # One chat answer in this process: the real ChatApp (as `localctx chat` builds it) under Textual's pilot.
 CHAT_ONCE = r'''
@@ -252,31 +254,61 @@ def chat_answer(work: Work) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def chat_ready(work: Work) -> float:
-    """Seconds from launching `localctx chat` in a 120×40 tmux terminal to the panel saying "ready"."""
-    tmux = shutil.which("tmux")
-    if tmux is None:
-        raise SystemExit("tmux is not installed (apt-get install -y tmux)")
-    socket = f"chat-speed-{os.getpid()}"
-    command = " ".join(cli("chat", *work.model_args()))
+class Terminal:
+    """`localctx chat` in a 120×40 tmux terminal of its own (a private tmux server), ended on exit."""
 
-    def tmux_run(*args: str) -> str:
-        return subprocess.run([tmux, "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True,
-                              env=work.env, timeout=30).stdout
+    def __init__(self, work: Work, *chat_args: str):
+        tmux = shutil.which("tmux")
+        if tmux is None:
+            raise SystemExit("tmux is not installed (apt-get install -y tmux)")
+        self.base = [tmux, "-L", f"chat-speed-{os.getpid()}", "-f", "/dev/null"]
+        self.env = work.env
+        self.command = " ".join(cli("chat", *work.model_args(), *chat_args))
 
-    start = time.perf_counter()
-    tmux_run("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", command)
-    try:
-        while time.perf_counter() - start < 300:
-            screen = tmux_run("capture-pane", "-p", "-t", "chat")
-            if re.search(r"\bready\b", screen):
-                return time.perf_counter() - start
+    def tmux(self, *args: str) -> str:
+        return subprocess.run([*self.base, *args], capture_output=True, text=True, env=self.env, timeout=30).stdout
+
+    def __enter__(self) -> "Terminal":
+        self.tmux("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", self.command)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run([*self.base, "kill-server"], capture_output=True, env=self.env, timeout=30)
+
+    def wait_for(self, pattern: str, timeout: float, every: float) -> re.Match:
+        """The first match of ``pattern`` on the screen (its last 200 lines), looked for every ``every`` s."""
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            screen = self.tmux("capture-pane", "-p", "-t", "chat", "-S", "-200")
+            found = re.search(pattern, screen)
+            if found:
+                return found
             if "Traceback" in screen or "localctx: error" in screen or "localctx: failed" in screen:
                 raise SystemExit(f"localctx chat failed:\n{screen}")
-            time.sleep(0.05)
-        raise SystemExit("localctx chat did not say ready within 300 s")
-    finally:
-        subprocess.run([tmux, "-L", socket, "kill-server"], capture_output=True, env=work.env, timeout=30)
+            time.sleep(every)
+        raise SystemExit(f"localctx chat did not show {pattern!r} within {timeout:.0f} s:\n{screen}")
+
+
+def chat_ready(work: Work) -> float:
+    """Seconds from launching `localctx chat` in a 120×40 tmux terminal to the panel saying "ready"."""
+    start = time.perf_counter()
+    with Terminal(work) as terminal:
+        terminal.wait_for(r"\bready\b", 300, 0.05)
+        return time.perf_counter() - start
+
+
+def terminal_answer(work: Work) -> dict:
+    """`localctx chat` in a real terminal (tmux, 120×40), as a user runs it: the answer's own decode figure
+    from the stats line under it. The terminal's own work (tmux reading the chat's output and keeping its
+    screen) takes from the same cores, which the headless chat does not count; the screen is read every
+    0.5 s (a capture costs tmux a few milliseconds)."""
+    with Terminal(work, "--max-tokens", str(work.max_tokens)) as terminal:
+        terminal.wait_for(r"\bready\b", 300, 0.2)
+        terminal.tmux("send-keys", "-t", "chat", "-l", PROMPT)
+        terminal.tmux("send-keys", "-t", "chat", "Enter")
+        found = terminal.wait_for(ANSWER_STATS, 600, 0.5)
+    return {"generated": int(found[1].replace(",", "")), "decode_tok_s": float(found[2]),
+            "wall_tok_s": None, "slow_step_share": None}
 
 
 def ui_cost(out: Path, runs: int = 3, tokens: int = 2000, rate: float = 80.0) -> None:
@@ -295,6 +327,10 @@ def ui_cost(out: Path, runs: int = 3, tokens: int = 2000, rate: float = 80.0) ->
     tmp.replace(out)
 
 
+def number(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def share(side: dict) -> str:
     return "n/a" if side["slow_step_share"] is None else f"{side['slow_step_share']:.1%}"
 
@@ -311,6 +347,7 @@ def write(out: Path, args: argparse.Namespace, pairs: list[dict]) -> dict:
                if key in pairs[0] and any(p[key] is not None for p in pairs)}
     result = {"command": "python benchmarks/speed/chat_speed.py " + " ".join(sys.argv[1:]), "prompt": PROMPT,
               "max_tokens": args.max_tokens, "model": Path(args.model).name, "backend": args.backend,
+              "chat_side": "tmux terminal" if args.terminal else "headless (Textual pilot)",
               "cpus": os.cpu_count(), "torch_threads": os.environ.get("LOCALCTX_TORCH_THREADS"),
               "load_average_at_end": os.getloadavg(), "pairs": pairs, "median": summary}
     tmp = out.with_suffix(".tmp")
@@ -331,6 +368,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--out", default=None, help="JSON path (default docs/results/run-chat/benchmarks-chat.json, -ui.json with --ui-cost)")
     ap.add_argument("--no-ready", action="store_true", help="skip the tmux startup timing (decode only)")
+    ap.add_argument("--terminal", action="store_true", help="the chat side answers in a tmux terminal, as a user "
+                    "runs it, not headless (its decode figure only)")
     ap.add_argument("--ui-cost", action="store_true", help="measure the UI thread's cost per token instead (no model)")
     args = ap.parse_args()
     if args.ui_cost:
@@ -349,11 +388,12 @@ def main() -> None:
                 if side == "run":
                     pair["run"] = run_answer(work)
                 else:
-                    pair["chat"] = chat_answer(work)
+                    pair["chat"] = terminal_answer(work) if args.terminal else chat_answer(work)
                     if not args.no_ready:
                         pair["chat"]["ready_s"] = chat_ready(work)
             pair["decode_ratio"] = round(pair["chat"]["decode_tok_s"] / pair["run"]["decode_tok_s"], 3)
-            pair["wall_ratio"] = round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
+            pair["wall_ratio"] = None if args.terminal else \
+                round(pair["chat"]["wall_tok_s"] / pair["run"]["wall_tok_s"], 3)
             for side in ("run", "chat"):
                 pair[f"{side}_slow_step_share"] = pair[side]["slow_step_share"]
             if not args.no_ready:
@@ -367,7 +407,8 @@ def main() -> None:
     for i, p in enumerate(pairs, 1):
         r, c = p["run"], p["chat"]
         print(f"| {i} | {r['decode_tok_s']:.1f} | {c['decode_tok_s']:.1f} | {p['decode_ratio']:.2f} | "
-              f"{r['wall_tok_s']:.1f} | {c['wall_tok_s']:.1f} | {p['wall_ratio']:.2f} | {share(r)} / {share(c)} | "
+              f"{number(r['wall_tok_s'], 1)} | {number(c['wall_tok_s'], 1)} | {number(p['wall_ratio'], 2)} | "
+              f"{share(r)} / {share(c)} | "
               f"{r['startup_s']:.2f} | "
               f"{c.get('ready_s', float('nan')):.2f} | {p.get('ready_over_run_startup', float('nan')):.2f} |")
     print(f"medians: {summary}")

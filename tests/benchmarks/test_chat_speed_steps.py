@@ -48,3 +48,18 @@ def test_stalled_steps_count_what_they_took_beyond_the_median(bench):
 def test_runs_shown_as_na_where_no_share_was_measured(bench):
     assert bench.share({"slow_step_share": None}) == "n/a"
     assert bench.share({"slow_step_share": 0.0412}) == "4.1%"
+
+
+def test_the_terminal_side_reads_the_chats_own_stats_line(bench):
+    """--terminal reads the answer's decode figure off the screen: the line the chat draws under a finished
+    answer (app/chat/widgets/conversation.py's stats_line) has to match it, thousands separator included."""
+    import re
+
+    from localctx.app.chat.widgets.conversation import stats_line
+    from localctx.app.history import TurnStats
+
+    line = stats_line(TurnStats("llamacpp", "fp16", "length", prompt_tokens=55, generated_tokens=1500,
+                                prefill_tok_s=214.6, decode_tok_s=135.84))
+    found = re.search(bench.ANSWER_STATS, line)
+    assert found is not None, line
+    assert int(found[1].replace(",", "")) == 1500 and float(found[2]) == 135.8
