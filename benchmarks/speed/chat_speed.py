@@ -28,6 +28,7 @@ in the first and the last quarter of the answer, and frames drawn (writes docs/r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -254,6 +255,9 @@ def chat_answer(work: Work) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+TERMINALS = itertools.count()
+
+
 class Terminal:
     """`localctx chat` in a 120×40 tmux terminal of its own (a private tmux server), ended on exit."""
 
@@ -261,29 +265,45 @@ class Terminal:
         tmux = shutil.which("tmux")
         if tmux is None:
             raise SystemExit("tmux is not installed (apt-get install -y tmux)")
-        self.base = [tmux, "-L", f"chat-speed-{os.getpid()}", "-f", "/dev/null"]
+        # a server of its own each time: a new session on the name of a server still shutting down can vanish
+        self.base = [tmux, "-L", f"chat-speed-{os.getpid()}-{next(TERMINALS)}", "-f", "/dev/null"]
         self.env = work.env
         self.command = " ".join(cli("chat", *work.model_args(), *chat_args))
 
     def tmux(self, *args: str) -> str:
-        return subprocess.run([*self.base, *args], capture_output=True, text=True, env=self.env, timeout=30).stdout
+        done = subprocess.run([*self.base, *args], capture_output=True, text=True, env=self.env, timeout=30)
+        if done.returncode != 0:
+            raise SystemExit(f"tmux {args[0]} failed: {done.stderr.strip()}")
+        return done.stdout
 
     def __enter__(self) -> "Terminal":
-        self.tmux("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40", self.command)
+        # the pane stays when the chat exits, so that what it printed can be read
+        self.tmux("new-session", "-d", "-s", "chat", "-x", "120", "-y", "40")
+        self.tmux("set-option", "-t", "chat", "remain-on-exit", "on")
+        self.started = time.perf_counter()
+        self.tmux("respawn-pane", "-k", "-t", "chat", self.command)
         return self
+
+    def ended(self) -> bool:
+        """The chat has exited (its pane stays, dead)."""
+        return self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}").strip() == "1"
 
     def __exit__(self, *exc) -> None:
         subprocess.run([*self.base, "kill-server"], capture_output=True, env=self.env, timeout=30)
 
     def wait_for(self, pattern: str, timeout: float, every: float) -> re.Match:
         """The first match of ``pattern`` on the screen (its last 200 lines), looked for every ``every`` s."""
-        start = time.perf_counter()
+        start = checked = time.perf_counter()
         while time.perf_counter() - start < timeout:
             screen = self.tmux("capture-pane", "-p", "-t", "chat", "-S", "-200")
             found = re.search(pattern, screen)
             if found:
                 return found
-            if "Traceback" in screen or "localctx: error" in screen or "localctx: failed" in screen:
+            failed = "Traceback" in screen or "localctx: error" in screen or "localctx: failed" in screen
+            if not failed and time.perf_counter() - checked >= 1.0:  # once a second: each look is a process
+                checked = time.perf_counter()
+                failed = self.ended()
+            if failed:
                 raise SystemExit(f"localctx chat failed:\n{screen}")
             time.sleep(every)
         raise SystemExit(f"localctx chat did not show {pattern!r} within {timeout:.0f} s:\n{screen}")
@@ -291,10 +311,9 @@ class Terminal:
 
 def chat_ready(work: Work) -> float:
     """Seconds from launching `localctx chat` in a 120×40 tmux terminal to the panel saying "ready"."""
-    start = time.perf_counter()
     with Terminal(work) as terminal:
         terminal.wait_for(r"\bready\b", 300, 0.05)
-        return time.perf_counter() - start
+        return time.perf_counter() - terminal.started
 
 
 def terminal_answer(work: Work) -> dict:
