@@ -46,6 +46,12 @@ def ui_has_own_core(decode_threads: int | None, decodes_here: bool) -> bool:
     return not decodes_here and decode_threads is not None and decode_threads < usable_cpus()
 
 
+def paced(ui_seconds: float, at_least: float) -> float:
+    """Seconds between two frames where the UI spent ``ui_seconds`` since the last one: enough that it
+    is at most UI_SHARE of them, not under ``at_least``, not over MAX_INTERVAL."""
+    return min(MAX_INTERVAL, max(at_least, ui_seconds / UI_SHARE))
+
+
 @dataclass(frozen=True)
 class Frame:
     """What arrived since the previous frame."""
@@ -122,17 +128,14 @@ class FramePacer:
         that time has passed (the UI may have spent more meanwhile)."""
         if self._last_wall is None:
             return 0.0
-        gap = self.interval
-        if not self.own_core:
-            gap = min(MAX_INTERVAL, max(gap, (self._cpu() - self._last_cpu) / UI_SHARE))
+        gap = self.interval if self.own_core else paced(self._cpu() - self._last_cpu, self.interval)
         return max(0.0, self._last_wall + gap - self._clock())
 
     def drawn(self) -> None:
         """Call when a frame is drawn: the UI time spent since the last one sets the next interval."""
         wall, cpu = self._clock(), self._cpu()
         if self._last_wall is not None and not self.own_core:
-            cost = cpu - self._last_cpu
-            self.interval = min(MAX_INTERVAL, max(FRAME_INTERVAL, cost / UI_SHARE))
+            self.interval = paced(cpu - self._last_cpu, FRAME_INTERVAL)
         self._last_wall, self._last_cpu = wall, cpu
 
     def reset(self) -> None:
