@@ -1,12 +1,22 @@
 """Where a command's start-up time goes (``localctx run --timings``): seconds per stage, in order."""
 from __future__ import annotations
 
+import os
 import time
 
 
 def since_process_start() -> float | None:
     """Seconds since this process started (the interpreter, its imports and the command's until now);
-    None where the start time cannot be read."""
+    None where the start time cannot be read. On Linux both ends are read on the clock that counts from
+    boot (the kernel's start time of the process in clock ticks, 10 ms): psutil's create_time adds the
+    boot time, which /proc gives in whole seconds, so its answer could be off by up to a second."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        start = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: ticks since boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start)
+    except (OSError, AttributeError, ValueError, IndexError):  # no /proc (macOS, Windows)
+        pass
     try:
         import psutil
 
