@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
+from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits,
+                                    with_template_stops)
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.backends.llamacpp.grammar import grammar_sampler
 from localctx.kvcache import cost
@@ -253,15 +254,17 @@ def generate_batch(session, prompts: Sequence[Prompt], params: GenerationParams,
         n_ctx = len(group) * cells if len(group) > 1 else min(budget, cells)
         decoder = BatchDecoder(session.llm, n_ctx, len(group), n_batch=session.llm.n_batch)
         try:
-            yield from _run_group(session, decoder, [(i, ids[i]) for i in group], params, cancel)
+            yield from _run_group(session, decoder, [(i, ids[i], with_template_stops(prompts[i], params, session.template.stops))
+                                                     for i in group], cancel)
         finally:
             decoder.close()
 
 
-def _run_group(session, decoder: BatchDecoder, items, params, cancel) -> Iterator[tuple[int, GenerationEvent]]:
+def _run_group(session, decoder: BatchDecoder, items, cancel) -> Iterator[tuple[int, GenerationEvent]]:
+    """``items``: (index, prompt tokens, that prompt's params) of each sequence."""
     policy = session.plan.policy
     streams = {}
-    for seq_id, (index, tokens) in enumerate(items):
+    for seq_id, (index, tokens, params) in enumerate(items):
         seq = DecodeSequence(index=index, seq_id=seq_id, prompt=tokens, sampler=sampler_chain(params, decoder.model))
         decoder.seqs.append(seq)
         clock = StatsClock(backend="llamacpp", policy=str(policy), prompt_tokens=len(tokens))

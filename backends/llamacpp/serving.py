@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits
+from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits,
+                                    with_template_stops)
 from localctx.backends.llamacpp import shift
 from localctx.backends.llamacpp.allocation import held_bytes
 from localctx.backends.llamacpp.batch import CONTEXT_PAD, BatchDecoder, DecodeSequence, KVTypes, sampler_chain
@@ -141,6 +142,7 @@ class LlamaSlots(SlotStreams):
               ids: list[int] | None = None) -> tuple[LiveStream, None] | None:
         s = self.session
         ids = s.tokenize(prompt) if ids is None else ids
+        params = with_template_stops(prompt, params, s.template.stops)  # as Session.generate does
         most = self.most_per_slot
         try:
             slot_plan = dataclasses.replace(self.plan, context=most)

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
+from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, with_template_stops
 from localctx.backends.generation.decode_loop import stream
 from localctx.backends.torch.sampling import Sampler
 from localctx.kvcache.errors import UserError
@@ -49,7 +49,7 @@ class BatchRun:
         for i, prompt in enumerate(prompts):
             ids = session.tokenize(prompt)
             try:
-                p = session.capped(len(ids), params)
+                p = session.capped(len(ids), with_template_stops(prompt, params, session.template.stops))
             except UserError as exc:
                 raise UserError(f"prompt {i + 1} of {len(prompts)}: {exc}") from None
             blocks = pool.blocks_for(len(ids) + p.max_tokens)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from localctx.backends.generation.slots import Slot, SlotStreams, choose_slot
 from localctx.backends.generation.stream_source import StreamFailed
-from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock
+from localctx.backends.base import GenerationEvent, GenerationParams, Prompt, StatsClock, with_template_stops
 from localctx.backends.generation.decode_loop import KVProbe, stream
 from localctx.backends.torch.sampling import Sampler
 from localctx.kvcache.errors import UserError
@@ -120,7 +120,8 @@ class SlotBatcher(SlotStreams):
             if self._waiting_prompt is not prompt:  # a request that waits is asked again every step
                 self._waiting_prompt, self._waiting_ids = prompt, self.session.tokenize(prompt)
             ids = self._waiting_ids
-        params = self.session.capped(len(ids), params)  # UserError when the prompt cannot fit
+        # UserError when the prompt cannot fit; a transcript's next question ends the answer, as in generate
+        params = self.session.capped(len(ids), with_template_stops(prompt, params, self.session.template.stops))
         worst = self._held_blocks(len(ids) + params.max_tokens)
         most = self._most_blocks()
         if worst > most:
