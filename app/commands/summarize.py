@@ -7,7 +7,7 @@ from pathlib import Path
 
 from localctx.app.session_options import (SessionRequest, add_prompt_cache_option, add_session_options, open_session,
                                           resolve_model)
-from localctx.app.summarize.pipeline import EXIT_SOME_SKIPPED, BatchConfig, summarize
+from localctx.app.summarize.pipeline import EXIT_SOME_EMPTY, EXIT_SOME_SKIPPED, BatchConfig, summarize
 from localctx.app.summarize.events import JsonEvents, RichEvents
 from localctx.app.summarize.jobs import Settings
 from localctx.app.summarize.store import META_DIR, REPORT_NAME, SUMMARY_SUFFIX
@@ -28,6 +28,8 @@ Exit codes:
   0    every document was summarised (or was unchanged since the last run)
   {EXIT_SOME_SKIPPED}    the batch finished, but some inputs were skipped as bad (binary, empty,
        undecodable, unreadable, unsupported): the report says which and why
+  {EXIT_SOME_EMPTY}    the batch finished, but the model answered nothing for some documents (no
+       summary written for them; a later run tries them again): the report says which
   2    a usage error (no inputs, bad option, context too small); nothing was run
   1    the model or backend failed; finished summaries are kept, rerun to resume
   130  interrupted; rerun to resume

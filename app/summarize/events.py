@@ -110,8 +110,9 @@ class RichEvents(Events):
     def finish(self, report):
         self.close()
         counts = report["counts"]
-        self.console.print(f"{counts['done']} summarised, {counts['unchanged']} unchanged, {counts['skipped']} skipped; "
-                           f"report: {report.get('report_path')}")
+        empty = f", {counts['empty']} with no summary (the model answered nothing)" if counts["empty"] else ""
+        self.console.print(f"{counts['done']} summarised, {counts['unchanged']} unchanged, {counts['skipped']} skipped"
+                           f"{empty}; report: {report.get('report_path')}")
 
     def close(self):
         self.progress.stop()

@@ -35,6 +35,11 @@ class Totals:
                 "input_tok_s": round(self.covered_tokens / elapsed, 2)}
 
 
+# what the report and the command say of a document whose summary came out empty
+EMPTY_REASON = ("the model answered nothing (a base model without a chat template often starts a new question "
+                "at once); no summary written: try an instruct model")
+
+
 class Runner:
     def __init__(self, session: Session, store: Store, prompts: PromptSet, settings: Settings, events: Events,
                  identity: dict):
@@ -146,8 +151,11 @@ class Runner:
     def _finish(self, job: Job) -> None:
         record = {"path": job.doc.key, "status": "done", "input_tokens": job.input_tokens,
                   "characters": len(job.doc.text), "chunks": len(job.chunks), "chunk_budget": job.budget.chunk,
-                  "depth": job.depth, "calls": job.calls, "answers_at_token_limit": job.truncated_answers}
-        output = self.store.finish(job.doc.key, self.fingerprint(job.doc), job.result or "", record)
-        record["output"] = str(output)
+                  "depth": job.depth, "calls": job.calls, "answers_at_token_limit": job.truncated_answers,
+                  "empty_answers": job.empty_answers}
+        if not (job.result or "").strip():  # no file, and not in the manifest: a later run tries it again
+            record.update(status="empty", reason=EMPTY_REASON)
+        else:
+            record["output"] = str(self.store.finish(job.doc.key, self.fingerprint(job.doc), job.result, record))
         self.records.append(record)
         self.events.doc_done(job, record)

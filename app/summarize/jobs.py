@@ -81,6 +81,7 @@ class Job:
     calls: int = 0
     depth: int = 0  # levels of reduction above the chunk summaries
     truncated_answers: int = 0  # answers that hit --summary-tokens
+    empty_answers: int = 0  # answers with no text (a chunk whose summary is empty adds nothing above it)
     scheduled: int = 0  # calls known so far (grows as reduction levels are planned)
 
     @property
@@ -98,6 +99,8 @@ class Job:
         self.calls += 1
         if finish_reason == "length":
             self.truncated_answers += 1
+        if not text.strip():
+            self.empty_answers += 1
         self._accept(request, text.strip())
 
     def _accept(self, request: Request, text: str) -> None:

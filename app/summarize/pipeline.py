@@ -18,6 +18,7 @@ from localctx.kvcache.errors import UserError
 
 EXIT_OK = 0
 EXIT_SOME_SKIPPED = 3  # every readable document was summarised, but some inputs were bad (see the report)
+EXIT_SOME_EMPTY = 4  # the batch finished, but the model answered nothing for some documents (see the report)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def summarize(config: BatchConfig, session: Session, events: Events) -> dict:
         unfinished = [{"path": j.doc.key, "status": "interrupted"} for j in jobs if j.doc.key not in finished]
         all_records = sorted(records + runner.records + unfinished, key=lambda r: r["path"])
         counts = {s: sum(1 for r in all_records if r["status"] == s)
-                  for s in ("done", "unchanged", "skipped", "ignored", "interrupted")}
+                  for s in ("done", "unchanged", "skipped", "ignored", "empty", "interrupted")}
         report = {
             "command": "summarize", "inputs": list(config.paths), "out": str(config.out_dir),
             "model": config.model_id, "backend": session.plan.backend, "policy": str(session.plan.policy),
@@ -75,7 +76,7 @@ def summarize(config: BatchConfig, session: Session, events: Events) -> dict:
             "max_batch": config.settings.max_batch, "prompt_version": prompts.version,
             "started": round(started, 3), "finished": round(time.time(), 3),
             "counts": counts, "totals": runner.totals.to_dict(), "documents": all_records,
-            "exit_code": EXIT_SOME_SKIPPED if counts["skipped"] else EXIT_OK,
+            "exit_code": EXIT_SOME_EMPTY if counts["empty"] else EXIT_SOME_SKIPPED if counts["skipped"] else EXIT_OK,
             "report_path": str(config.out_dir / REPORT_NAME),
         }
         atomic_write(config.out_dir / REPORT_NAME, json.dumps(report, indent=1))

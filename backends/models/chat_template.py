@@ -22,12 +22,13 @@ END_OF_TURN = {"<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoft
 
 
 # a GGUF converted without a chat template is taken as a base (completion) model: the conversation
-# becomes a plain question-and-answer transcript it can continue, cut at the next question
+# becomes a plain question-and-answer transcript it can continue, cut where it starts another exchange
 TRANSCRIPT = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
               "{% elif message['role'] == 'user' %}{{ 'Question: ' + message['content'] + '\n' }}"
               "{% else %}{{ 'Answer: ' + message['content'] + '\n' }}{% endif %}{% endfor %}"
               "{% if add_generation_prompt %}{{ 'Answer:' }}{% endif %}")
-TRANSCRIPT_STOPS = ("\nQuestion:",)
+# its next question, or a second answer: the model has started another exchange of its own
+TRANSCRIPT_STOPS = ("\nQuestion:", "\nAnswer:")
 
 
 def gguf_template_source(source: str | None) -> str:

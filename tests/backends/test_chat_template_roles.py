@@ -32,7 +32,7 @@ def test_a_gguf_without_a_template_is_continued_as_a_question_and_answer_transcr
     text = t.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
                      {"role": "assistant", "content": "Light."}, {"role": "user", "content": "More"}])
     assert text == "Be brief.\n\nQuestion: Why?\nAnswer: Light.\nQuestion: More\nAnswer:"
-    assert t.stops == ("\nQuestion:",)
+    assert t.stops == ("\nQuestion:", "\nAnswer:")  # another exchange begins: its question or a second answer
 
 
 def test_only_the_transcript_adds_its_stop_and_only_to_a_chat():
@@ -41,5 +41,5 @@ def test_only_the_transcript_adds_its_stop_and_only_to_a_chat():
     chat, params = [{"role": "user", "content": "hi"}], GenerationParams(stop=("END",))
     assert own.stops == ()
     assert with_template_stops(chat, params, own.stops).stop == ("END",)
-    assert with_template_stops(chat, params, transcript.stops).stop == ("END", "\nQuestion:")
+    assert with_template_stops(chat, params, transcript.stops).stop == ("END", "\nQuestion:", "\nAnswer:")
     assert with_template_stops("raw text", params, transcript.stops).stop == ("END",)
