@@ -254,8 +254,8 @@ def generate_batch(session, prompts: Sequence[Prompt], params: GenerationParams,
         n_ctx = len(group) * cells if len(group) > 1 else min(budget, cells)
         decoder = BatchDecoder(session.llm, n_ctx, len(group), n_batch=session.llm.n_batch)
         try:
-            yield from _run_group(session, decoder, [(i, ids[i], with_template_stops(prompts[i], params, session.template.stops))
-                                                     for i in group], cancel)
+            items = [(i, ids[i], with_template_stops(prompts[i], params, session.template.stops)) for i in group]
+            yield from _run_group(session, decoder, items, cancel)
         finally:
             decoder.close()
 
