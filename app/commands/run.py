@@ -107,12 +107,20 @@ def speculation_words(stats: GenerationStats) -> str:
     return ", prompt lookup off" if stats.speculate.startswith("off (") else ""
 
 
+def prompt_cache_words(stats: GenerationStats) -> str:
+    """", 984 of 986 prompt tokens from the prompt cache" where the prompt's start was read from disk
+    (the prefill figure counts only the tokens prefilled after it)."""
+    if not stats.loaded_tokens:
+        return ""
+    return f", {stats.loaded_tokens:,} of {stats.prompt_tokens:,} prompt tokens from the prompt cache"
+
+
 def stats_line(stats: GenerationStats, plan: Plan, finish: str) -> str:
     allocated = (f" of {format_bytes(plan.allocated_bytes)} allocated ({plan.allocated_context:,} tokens; "
                  f"{format_bytes(plan.kv_bytes)} at {plan.context:,})" if plan.allocated_context < plan.context else "")
     return (f"[{stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated, "
             f"prefill {stats.prefill_tok_s:.1f} tok/s, decode {stats.decode_tok_s:.1f} tok/s"
-            f"{speculation_words(stats)}, "
+            f"{speculation_words(stats)}{prompt_cache_words(stats)}, "
             f"KV {format_bytes(stats.kv_bytes)}{allocated}, policy {stats.policy} "
             f"({'exact' if plan.exact else 'lossy'}), backend {stats.backend}, finish {finish}]")
 

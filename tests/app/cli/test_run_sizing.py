@@ -66,3 +66,25 @@ def test_the_stats_line_says_what_prompt_lookup_did():
     refused = GenerationStats("llamacpp", "int8", speculate="off (heavy hitters)")
     assert speculation_words(refused) == ", prompt lookup off"
     assert speculation_words(GenerationStats("llamacpp", "int8")) == ""
+
+
+def test_the_stats_line_says_how_much_of_the_prompt_came_from_the_prompt_cache(cli, tiny):
+    """A long prompt's KV is kept on disk (kvcache/prompt_cache.py); a second run that starts the same way
+    reads it back, and its stats line says how many tokens it read (its prefill figure is of the rest)."""
+    text = "the tent in the sea and the hat on the mat " * 80  # well over the cache's 512 tokens
+    first = cli("run", "-m", str(tiny), "--backend", "llamacpp", "--max-tokens", "2", text + "first?")
+    assert first.code == 0, first.err
+    assert "from the prompt cache" not in first.err
+    again = cli("run", "-m", str(tiny), "--backend", "llamacpp", "--max-tokens", "2", "--json", text + "second?")
+    stats = json.loads(again.out)["stats"]
+    assert stats["loaded_tokens"] >= 512 and stats["loaded_tokens"] < stats["prompt_tokens"]
+    again = cli("run", "-m", str(tiny), "--backend", "llamacpp", "--max-tokens", "2", text + "second?")
+    assert f", {stats['loaded_tokens']:,} of {stats['prompt_tokens']:,} prompt tokens from the prompt cache, KV " in again.err
+
+
+def test_no_prompt_cache_words_when_nothing_was_read():
+    from localctx.app.commands.run import prompt_cache_words
+    from localctx.backends.base import GenerationStats
+    assert prompt_cache_words(GenerationStats("llamacpp", "fp16", prompt_tokens=900, cached_tokens=0)) == ""
+    read = GenerationStats("llamacpp", "fp16", prompt_tokens=1_900, cached_tokens=1_536, loaded_tokens=1_536)
+    assert prompt_cache_words(read) == ", 1,536 of 1,900 prompt tokens from the prompt cache"
