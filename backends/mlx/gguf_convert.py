@@ -2,11 +2,12 @@
 every tensor dequantized with the shared reader (backends/models/gguf_header.py), renamed from
 llama.cpp's names to mlx-lm's (Hugging Face's), llama.cpp's Q/K row permutation undone for the
 ``llama``/``mistral`` architectures (mlx-lm rotates halves), Gemma's stored ``1 + w`` norms back to
-``w``, and each linear re-quantized with MLX's affine quantization at its own tensor's bit width
-(Q4_K → 4, Q5_0/Q5_K → 5, Q6_K → 6, Q8_0 → 8; F16/F32 stay float16). The config comes from the GGUF
-header. The folder (config.json + model.safetensors, which ``mlx_lm.load`` also reads) is written
-owner-only into the cache directory under the file's content hash, renamed into place whole, and
-checked against its manifest before it is used again: a damaged or foreign folder is rebuilt."""
+``w``. A quantized tensor whose values lie on an affine grid of MLX's (Q4_0, Q4_1, Q8_0, Q4_K:
+gguf_grid.py) keeps that grid as is; other types are stored float16 (re-quantizing them would round
+every value a second time). The config comes from the GGUF header. The folder (config.json +
+model.safetensors, which ``mlx_lm.load`` also reads) is written owner-only into the cache directory
+under the file's content hash, renamed into place whole, and checked against its manifest before it
+is used again: a damaged or foreign folder is rebuilt."""
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from localctx.backends.models.gguf_header import dequantize_f32
+from localctx.backends.mlx.gguf_grid import GROUP, Grid, exact_grid
+from localctx.backends.models.gguf_header import dequantize_f32, tensor_data
 from localctx.backends.models.gguf_meta import ModelMeta
 from localctx.backends.models.spec_reader import read_gguf
 from localctx.kvcache import prompt_cache
@@ -30,7 +32,7 @@ from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import cache_dir
 from localctx.kvcache.private_files import private_dir, untrusted, write_private
 
-VERSION = 1  # bump when the conversion changes: older folders are then rebuilt
+VERSION = 2  # bump when the conversion changes: older folders are then rebuilt (2: the file's own grids)
 MANIFEST = "localctx-conversion.json"
 
 # llama.cpp's architecture → mlx-lm's model file, for the families this converter maps
@@ -45,9 +47,6 @@ _BLOCK = {
 _GEMMA_BLOCK = {**_BLOCK, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# ggml type name → bits of MLX's affine quantization (F16/F32/BF16: kept in float16)
-_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "IQ4_NL": 4, "IQ4_XS": 4, "Q5_0": 5, "Q5_1": 5,
-         "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8}
 
 
 def model_type(arch: str | None) -> str | None:
@@ -140,10 +139,6 @@ def _hf_name(name: str, gemma: bool) -> str:
                     "use the model's safetensors folder or --backend llamacpp")
 
 
-def _group_size(in_features: int) -> int | None:
-    return next((g for g in (64, 32) if in_features % g == 0), None)
-
-
 def _convert(path: Path, folder: Path, key: str) -> str:
     reader = read_gguf(path)
     meta = ModelMeta(reader, path.name)
@@ -151,22 +146,26 @@ def _convert(path: Path, folder: Path, key: str) -> str:
     cfg = config_from_gguf(meta, names)
     gemma = cfg["model_type"] == "gemma3_text"
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    from gguf.constants import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    weights, quant, types = {}, {}, {}
+    weights, grids, types = {}, {}, {}
     for t in reader.tensors:
         value = dequantize_f32(raw, t)
         hf = _hf_name(t.name, gemma)
+        qtype = GGMLQuantizationType(t.ggml_type)
+        types[qtype.name] = types.get(qtype.name, 0) + 1
+        rows = np.asarray(tensor_data(raw, t)) if value.ndim == 2 and hf.endswith(".weight") else None
         if meta.arch in PERMUTED and t.name.split(".")[-2] in ("attn_q", "attn_k"):
-            value = _unpermute(value, cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"])
+            heads = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
+            value = _unpermute(value, heads)
+            rows = None if rows is None else _unpermute(rows, heads)  # each row's blocks move with it
         if gemma and t.name.endswith("norm.weight"):
             value = value - 1.0  # llama.cpp stores Gemma's norms as 1 + w; mlx-lm adds the 1
         weights[hf] = mx.array(value.astype(np.float16 if value.ndim > 1 else np.float32))
-        tname = GGMLQuantizationType(t.ggml_type).name
-        types[tname] = types.get(tname, 0) + 1
-        bits, group = _BITS.get(tname), _group_size(value.shape[-1]) if value.ndim == 2 else None
-        if bits and group and hf.endswith(".weight"):
-            quant[hf[: -len(".weight")]] = {"group_size": group, "bits": bits}
+        if rows is not None and rows.dtype == np.uint8:  # block-quantized: [rows, bytes per row]
+            grid = exact_grid(qtype.name, rows.reshape(-1, GGML_QUANT_SIZES[qtype][1]), value)
+            if grid is not None:
+                grids[hf[: -len(".weight")]] = grid
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(cfg))
     weights = model.sanitize(weights)
@@ -174,16 +173,30 @@ def _convert(path: Path, folder: Path, key: str) -> str:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise UserError(f"{path.name}'s tensors do not fit mlx-lm's {cfg['model_type']} model ({str(exc)[:160]})") from None
-    nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if hasattr(m, "to_quantized") else False)
-    used = {p: q for p, q in quant.items() if p in dict(_quantized_paths(model))}
+    used = _keep_grids(model, grids)
     if used:
         first = next(iter(used.values()))
         cfg["quantization"] = {**first, **used}
     _write(model, cfg, folder, key)
     bits = sorted({q["bits"] for q in used.values()})
-    kept = (f"{len(used)} linears re-quantized to MLX affine {'/'.join(map(str, bits))}-bit, the rest float16"
-            if used else "nothing quantized to keep: every tensor float16")
+    kept = (f"{len(used)} layers kept on their own {'/'.join(map(str, bits))}-bit grid, the rest float16"
+            if used else "no grid MLX holds: every tensor float16")
     return f"{sum(types.values())} tensors of {', '.join(f'{n} {k}' for k, n in sorted(types.items()))}; {kept}"
+
+
+def _keep_grids(model: nn.Module, grids: dict[str, Grid]) -> dict[str, dict]:
+    """Quantizes the layers ``grids`` names and puts each one's own grid in place of what
+    ``nn.quantize`` chose; returns their quantization entries for config.json."""
+    nn.quantize(model, class_predicate=lambda p, m: {"group_size": GROUP, "bits": grids[p].bits}
+                if p in grids and hasattr(m, "to_quantized") else False)
+    used = {}
+    for path, layer in _quantized_paths(model):
+        grid = grids[path]
+        dtype = layer.scales.dtype
+        layer.weight = mx.array(grid.weight)
+        layer.scales, layer.biases = mx.array(grid.scales).astype(dtype), mx.array(grid.biases).astype(dtype)
+        used[path] = {"group_size": GROUP, "bits": grid.bits}
+    return used
 
 
 def _quantized_paths(model: nn.Module):
