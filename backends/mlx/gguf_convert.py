@@ -2,9 +2,9 @@
 every tensor dequantized with the shared reader (backends/models/gguf_header.py), renamed from
 llama.cpp's names to mlx-lm's (Hugging Face's), llama.cpp's Q/K row permutation undone for the
 ``llama``/``mistral`` architectures (mlx-lm rotates halves), Gemma's stored ``1 + w`` norms back to
-``w``. A quantized tensor whose values lie on an affine grid of MLX's (Q4_0, Q4_1, Q8_0, Q4_K:
-gguf_grid.py) keeps that grid as is; other types are stored float16 (re-quantizing them would round
-every value a second time). The config comes from the GGUF header. The folder (config.json +
+``w``. A quantized tensor whose values lie on an affine grid of MLX's (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K: gguf_grid.py) keeps that grid as is; other types are stored float16 (re-quantizing them
+would round every value a second time). The config comes from the GGUF header. The folder (config.json +
 model.safetensors, which ``mlx_lm.load`` also reads) is written owner-only into the cache directory
 under the file's content hash, renamed into place whole, and checked against its manifest before it
 is used again: a damaged or foreign folder is rebuilt."""
@@ -32,7 +32,7 @@ from localctx.kvcache.errors import UserError
 from localctx.kvcache.hardware_profile import cache_dir
 from localctx.kvcache.private_files import private_dir, untrusted, write_private
 
-VERSION = 2  # bump when the conversion changes: older folders are then rebuilt (2: the file's own grids)
+VERSION = 3  # bump when the conversion changes: older folders are then rebuilt (3: the file's own grids)
 MANIFEST = "localctx-conversion.json"
 
 # llama.cpp's architecture → mlx-lm's model file, for the families this converter maps

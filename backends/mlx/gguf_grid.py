@@ -2,14 +2,15 @@
 
 MLX's affine quantization stores, per group of ``group_size`` values, ``value = scale * q + bias`` with
 an unsigned ``bits``-bit q. Several GGUF types are already exactly that with groups of 32: Q4_0
-(``d * (q - 8)``), Q4_1 (``d * q + m``), Q8_0 (``d * (q + 128)`` less ``128 d``) and Q4_K (per 32-value
-sub-block ``d * sc * q - dmin * m``). For those the converted layer keeps the file's values: the scales
+(``d * (q - 8)``), Q4_1 (``d * q + m``), Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``, 5-bit), Q8_0
+(``d * (q - 128)`` with q shifted to unsigned) and Q4_K / Q5_K (per 32-value sub-block ``d * sc * q -
+dmin * m``). For those the converted layer keeps the file's values: the scales
 and biases are read from the blocks and each q recovered from the dequantized value. Re-quantizing
 them with ``mx.quantize`` instead chooses another grid and rounds every value a second time: on the
 bundled SmolLM2 (Q4_1) that moved each weight by 7.7% on average and the model's logits to a
 correlation of 0.80-0.95 with llama.cpp's (it answered "A: A: A:" where llama.cpp names a colour).
-Other types (Q5_*, Q6_K's 16-value groups, Q2_K, Q3_K, the IQ types) fit no 32-group grid of MLX's
-and are kept in float16: their values, not a rounding of them."""
+Other types (Q6_K's and Q2_K's and Q3_K's 16-value groups, the IQ types' lookup tables) fit no grid of
+MLX's (its groups are 32, 64 or 128 values) and are kept in float16: their values, not a rounding of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,27 +43,35 @@ def group_affine(qtype: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
         return d, -8.0 * d, 4
     if qtype == "Q4_1":
         return _f16(blocks, 0), _f16(blocks, 2), 4
+    if qtype == "Q5_0":
+        d = _f16(blocks, 0)
+        return d, -16.0 * d, 5
+    if qtype == "Q5_1":
+        return _f16(blocks, 0), _f16(blocks, 2), 5
     if qtype == "Q8_0":
         d = _f16(blocks, 0)
         return d, -128.0 * d, 8
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):  # the same header: d, dmin, then 6-bit scales and mins of 8 sub-blocks
         from gguf.quants import Q4_K
 
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
         sc, mn = Q4_K.get_scale_min(blocks[:, 4:4 + Q4_K.K_SCALE_SIZE].copy())
-        return ((d[:, None] * sc.astype(np.float32)).ravel(), (-dmin[:, None] * mn.astype(np.float32)).ravel(), 4)
+        scales = (d[:, None] * sc.astype(np.float32)).ravel()
+        return scales, (-dmin[:, None] * mn.astype(np.float32)).ravel(), 4 if qtype == "Q4_K" else 5
     return None
 
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """[rows, cols] integers in [0, 2**bits) into MLX's layout: each uint32 holds 32 / bits consecutive
-    values, the first in the lowest bits."""
-    per = 32 // bits
-    q = q.astype(np.uint32).reshape(q.shape[0], -1, per)
-    out = np.zeros(q.shape[:2], dtype=np.uint32)
-    for j in range(per):
-        out |= q[:, :, j] << np.uint32(bits * j)
-    return out
+    """[rows, cols] integers in [0, 2**bits) into MLX's layout: each row one little-endian bit stream,
+    value j in bits [bits * j, bits * (j + 1)), read as uint32 words (for 4 and 8 bits: 32 / bits
+    consecutive values a word, the first in the lowest bits). ``cols``: a multiple of 32."""
+    rows = q.shape[0]
+    eight = q.astype(np.uint64).reshape(rows, -1, 8)  # 8 values fill ``bits`` whole bytes
+    acc = np.zeros(eight.shape[:2], dtype=np.uint64)
+    for j in range(8):
+        acc |= eight[:, :, j] << np.uint64(bits * j)
+    stream = acc.astype("<u8").view(np.uint8).reshape(rows, -1, 8)[:, :, :bits]
+    return np.ascontiguousarray(stream).reshape(rows, -1).view("<u4").astype(np.uint32)
 
 
 def exact_grid(qtype: str, blocks: np.ndarray, values: np.ndarray) -> Grid | None:

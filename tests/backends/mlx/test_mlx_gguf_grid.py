@@ -1,7 +1,7 @@
 """backends/mlx/gguf_grid.py: the GGUF types whose values lie on an MLX affine grid of 32 are handed to
 MLX on that grid, value for value; the others are refused (the converter keeps them in float16). Checked
-on every such tensor of the real bundled SmolLM2 (Q4_1, Q8_0), Gemma 3 270M (Q4_K, Q8_0, Q5_0, Q6_K) and
-a Q4_0 copy of SmolLM2 made by llama.cpp's own quantizer."""
+on every such tensor of the real bundled SmolLM2 (Q4_1, Q8_0), Gemma 3 270M (Q4_K, Q5_0, Q8_0; Q6_K
+refused) and copies of SmolLM2 made by llama.cpp's own quantizer (Q4_0, Q5_1, Q5_K_M)."""
 from __future__ import annotations
 
 import ctypes
@@ -18,15 +18,14 @@ from localctx.backends.models.gguf_header import dequantize_f32, tensor_data  # 
 from localctx.backends.models.spec_reader import read_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
-HELD = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q4_K": 4}
+HELD = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
 
 
-@pytest.fixture(scope="module")
-def smollm2_q4_0(smollm2_path, tmp_path_factory):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer makes the Q4_0 copy")
-    out = tmp_path_factory.mktemp("q4_0") / "smollm2-q4_0.gguf"
+def requantized(smollm2_path, tmp_path_factory, ftype: str):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer makes the copies")
+    out = tmp_path_factory.mktemp(ftype.lower()) / f"smollm2-{ftype.lower()}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, True
+    params.ftype, params.allow_requantize = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), True
     assert llama_cpp.llama_model_quantize(str(smollm2_path).encode(), str(out).encode(), ctypes.byref(params)) == 0
     return out
 
@@ -61,18 +60,22 @@ def test_bundled_smollm2_q4_1_and_q8_0_keep_their_values(smollm2_path):
     check(smollm2_path, {"Q4_1", "Q8_0"})
 
 
-def test_gemma3_q4_k_keeps_its_values_and_q5_0_q6_k_are_left_to_float16(gemma3_path):
+def test_gemma3_q4_k_and_q5_0_keep_their_values_and_q6_k_is_left_to_float16(gemma3_path):
     check(gemma3_path, {"Q4_K", "Q8_0", "Q5_0", "Q6_K"})
 
 
-def test_q4_0_keeps_its_values(smollm2_q4_0):
-    check(smollm2_q4_0, {"Q4_0"})
+@pytest.mark.parametrize("ftype, types", [("Q4_0", {"Q4_0"}), ("Q5_1", {"Q5_1"}), ("Q5_K_M", {"Q5_K", "Q6_K"})])
+def test_llama_cpp_quantizer_copies_keep_their_values(smollm2_path, tmp_path_factory, ftype, types):
+    check(requantized(smollm2_path, tmp_path_factory, ftype), types)
 
 
 def test_pack_puts_consecutive_values_low_bits_first():
     q = np.arange(16, dtype=np.uint32).reshape(1, 16) % 16
     assert pack(q, 4).tolist() == [[0x76543210, 0xFEDCBA98]]
-    assert pack(np.array([[1, 2, 3, 250]]), 8).tolist() == [[0xFA030201]]
+    assert pack(np.array([[1, 2, 3, 250, 0, 0, 0, 0]]), 8).tolist() == [[0xFA030201, 0]]
+    five = pack(np.array([[1, 2, 3, 4, 5, 6, 7, 31] + [0] * 24]), 5)  # 32 values: 160 bits, 5 words
+    assert five.shape == (1, 5) and five[0, 0] == 1 | 2 << 5 | 3 << 10 | 4 << 15 | 5 << 20 | 6 << 25 | (7 & 3) << 30
+    assert five[0, 1] == 7 >> 2 | 31 << 3  # the seventh value straddles the first two words
 
 
 def test_a_value_off_the_grid_is_refused():
