@@ -2,14 +2,15 @@
 
 MLX's affine quantization stores, per group of ``group_size`` values, ``value = scale * q + bias`` with
 an unsigned ``bits``-bit q. Several GGUF types are already exactly that with groups of 32: Q4_0
-(``d * (q - 8)``), Q4_1 (``d * q + m``), Q5_0 (``d * (q - 16)``), Q5_1 (``d * q + m``, 5-bit), Q8_0
-(``d * (q - 128)`` with q shifted to unsigned) and Q4_K / Q5_K (per 32-value sub-block ``d * sc * q -
-dmin * m``). For those the converted layer keeps the file's values: the scales
-and biases are read from the blocks and each q recovered from the dequantized value. Re-quantizing
-them with ``mx.quantize`` instead chooses another grid and rounds every value a second time: on the
-bundled SmolLM2 (Q4_1) that moved each weight by 7.7% on average and the model's logits to a
-correlation of 0.80-0.95 with llama.cpp's (it answered "A: A: A:" where llama.cpp names a colour).
-Other types (Q6_K's and Q2_K's and Q3_K's 16-value groups, the IQ types' lookup tables) fit no grid of
+(``d * (q - 8)``), Q5_0 (``d * (q - 16)``), Q4_1 and Q5_1 (``d * q + m``), Q8_0 (``d * q`` with a signed
+q, i.e. ``d * (u - 128)``), Q4_K and Q5_K (per 32-value sub-block ``d * sc * q - dmin * m``). For those the
+converted layer keeps the file's values: scales and biases are read from the blocks and each q is
+recovered from the dequantized value. (The layer holds its scales and biases in float16: exact for the
+legacy types' own float16 ``d`` and ``m``; a K-quant's ``d * sc`` is rounded there, by at most 2**-11 of it.)
+Re-quantizing them with ``mx.quantize`` instead chooses another grid and rounds every value a second
+time: on the bundled SmolLM2 (Q4_1) that moved each weight by 7.7% on average and the model's logits to
+a correlation of 0.80-0.95 with llama.cpp's (it answered "A: A: A:" where llama.cpp names a colour).
+Other types (Q6_K's, Q2_K's and Q3_K's 16-value groups, the IQ types' lookup tables) fit no grid of
 MLX's (its groups are 32, 64 or 128 values) and are kept in float16: their values, not a rounding of them."""
 from __future__ import annotations
 
