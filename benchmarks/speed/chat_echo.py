@@ -53,9 +53,7 @@ def echo_times(terminal: Terminal, keys: int, every: float, limit: float = 5.0) 
 
 def one_answer(work: Work, keys: int, every: float, lead: float) -> dict:
     with Terminal(work, "--max-tokens", str(work.max_tokens)) as terminal:
-        terminal.wait_for(r"\bready\b", 300, 0.2)
-        terminal.tmux("send-keys", "-t", "chat", "-l", PROMPT)
-        terminal.tmux("send-keys", "-t", "chat", "Enter")
+        terminal.ask(PROMPT)
         time.sleep(lead)  # the answer has started streaming
         times = echo_times(terminal, keys, every)
         found = terminal.wait_for(ANSWER_STATS, 900, 0.5)

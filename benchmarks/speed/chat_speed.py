@@ -284,6 +284,12 @@ class Terminal:
         self.tmux("respawn-pane", "-k", "-t", "chat", self.command)
         return self
 
+    def ask(self, prompt: str) -> None:
+        """Once the chat says it is ready, types ``prompt`` into its input box and sends it."""
+        self.wait_for(r"\bready\b", 300, 0.2)
+        self.tmux("send-keys", "-t", "chat", "-l", prompt)
+        self.tmux("send-keys", "-t", "chat", "Enter")
+
     def ended(self) -> bool:
         """The chat has exited (its pane stays, dead)."""
         return self.tmux("display-message", "-p", "-t", "chat", "#{pane_dead}").strip() == "1"
@@ -322,9 +328,7 @@ def terminal_answer(work: Work) -> dict:
     screen) takes from the same cores, which the headless chat does not count; the screen is read every
     0.5 s (a capture costs tmux a few milliseconds)."""
     with Terminal(work, "--max-tokens", str(work.max_tokens)) as terminal:
-        terminal.wait_for(r"\bready\b", 300, 0.2)
-        terminal.tmux("send-keys", "-t", "chat", "-l", PROMPT)
-        terminal.tmux("send-keys", "-t", "chat", "Enter")
+        terminal.ask(PROMPT)
         found = terminal.wait_for(ANSWER_STATS, 600, 0.5)
     return {"generated": int(found[1].replace(",", "")), "decode_tok_s": float(found[2]),
             "wall_tok_s": None, "slow_step_share": None}
