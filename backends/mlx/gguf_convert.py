@@ -154,7 +154,9 @@ def _convert(path: Path, folder: Path, key: str) -> str:
         hf = _hf_name(t.name, gemma)
         qtype = GGMLQuantizationType(t.ggml_type)
         types[qtype.name] = types.get(qtype.name, 0) + 1
-        rows = np.asarray(tensor_data(raw, t)) if value.ndim == 2 and hf.endswith(".weight") else None
+        block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+        quantized = value.ndim == 2 and hf.endswith(".weight") and block_elems > 1  # F16/F32: no grid to keep
+        rows = np.asarray(tensor_data(raw, t)) if quantized else None  # [rows, bytes per row]
         if meta.arch in PERMUTED and t.name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = cfg["num_attention_heads"] if "attn_q" in t.name else cfg["num_key_value_heads"]
             value = _unpermute(value, heads)
@@ -162,8 +164,8 @@ def _convert(path: Path, folder: Path, key: str) -> str:
         if gemma and t.name.endswith("norm.weight"):
             value = value - 1.0  # llama.cpp stores Gemma's norms as 1 + w; mlx-lm adds the 1
         weights[hf] = mx.array(value.astype(np.float16 if value.ndim > 1 else np.float32))
-        if rows is not None and rows.dtype == np.uint8:  # block-quantized: [rows, bytes per row]
-            grid = exact_grid(qtype.name, rows.reshape(-1, GGML_QUANT_SIZES[qtype][1]), value)
+        if rows is not None:
+            grid = exact_grid(qtype.name, rows.reshape(-1, block_bytes), value)
             if grid is not None:
                 grids[hf[: -len(".weight")]] = grid
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
