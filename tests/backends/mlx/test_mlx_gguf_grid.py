@@ -4,8 +4,6 @@ on every such tensor of the real bundled SmolLM2 (Q4_1, Q8_0), Gemma 3 270M (Q4_
 refused) and copies of SmolLM2 made by llama.cpp's own quantizer (Q4_0, Q5_1, Q5_K_M)."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
@@ -22,12 +20,11 @@ HELD = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K"
 
 
 def requantized(smollm2_path, tmp_path_factory, ftype: str):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer makes the copies")
-    out = tmp_path_factory.mktemp(ftype.lower()) / f"smollm2-{ftype.lower()}.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), True
-    assert llama_cpp.llama_model_quantize(str(smollm2_path).encode(), str(out).encode(), ctypes.byref(params)) == 0
-    return out
+    pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer makes the copies")
+    pytest.importorskip("mlx_lm", reason="the copies' helper lives beside the mlx-lm tests")
+    from test_mlx_zoo_real import quantized_copy
+
+    return quantized_copy(smollm2_path, tmp_path_factory.mktemp(ftype.lower()), ftype)
 
 
 def grids_of(path):

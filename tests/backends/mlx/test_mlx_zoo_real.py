@@ -27,14 +27,19 @@ AGREE = 4  # leading greedy tokens checked against llama.cpp's logits
 TIE = 1.0  # logits: how far below llama.cpp's best a chosen token may score
 
 
+def quantized_copy(source, folder, ftype: str):
+    """``source`` written again as ``ftype`` (e.g. "Q4_K_M") by llama.cpp's own quantizer, into ``folder``."""
+    out = folder / f"smollm2-{ftype.lower()}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.allow_requantize = True
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    return out
+
+
 @pytest.fixture(scope="module", params=["Q4_K_M", "Q6_K"])
 def smollm2_kquant(request, smollm2_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("kquant") / f"smollm2-{request.param.lower()}.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{request.param}")
-    params.allow_requantize = True
-    assert llama_cpp.llama_model_quantize(str(smollm2_path).encode(), str(out).encode(), ctypes.byref(params)) == 0
-    return out
+    return quantized_copy(smollm2_path, tmp_path_factory.mktemp("kquant"), request.param)
 
 
 def llamacpp_logits(llm, ids):
