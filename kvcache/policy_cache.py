@@ -198,22 +198,42 @@ class PolicyKVCache:
     # -- the prompt cache on disk (kvcache/prompt_cache.py) ---------------------------------------
     _IMPLIED = ("full_idx", "full_mass", "q_idx", "q_mass")
 
+    def layer_groups(self) -> list[list[int]]:
+        """Layer indices by the policy they run, in layer order of first use: one group, or a model's
+        full-attention layers and its sliding ones (Gemma 3), whose stores hold different rows."""
+        groups: dict[KVPolicy, list[int]] = {}
+        for i, p in enumerate(self.layer_policies):
+            groups.setdefault(p, []).append(i)
+        return list(groups.values())
+
+    @staticmethod
+    def _group_suffixes(groups: list[list[int]]) -> list[str]:
+        """The suffix of each group's tensors: none for a single group (the layout every file of a model
+        without sliding layers has), ``@g`` otherwise."""
+        return [""] if len(groups) == 1 else [f"@{g}" for g in range(len(groups))]
+
     def export_sequence(self, seq_id: int) -> dict[str, torch.Tensor]:
-        """The whole sequence in its own format: each store's filled rows stacked over layers
-        (quantized codes and scales as held), plus its stream length and window start. Without
+        """The whole sequence in its own format: for each group of layers running one policy
+        (``layer_groups``), each store's filled rows stacked over its layers (quantized codes and
+        scales as held), plus the stream length and each group's window start (``n_seen``). Without
         heavy hitters the stream indices follow from the counts and the mass is unused, so only
         the K/V payload is written."""
         seq = self._seq(seq_id)
         skip = () if self.heavy_units else self._IMPLIED
-        out = {name: torch.stack([layer.rows()[name].view for layer in seq.layers])
-               for name in seq.layers[0].rows() if name not in skip}
-        out["n_seen"] = torch.tensor([seq.n_seen, seq.layers[0].main_start], dtype=torch.long)
+        groups = self.layer_groups()
+        out = {}
+        for idx, suffix in zip(groups, self._group_suffixes(groups)):
+            out.update({name + suffix: torch.stack([seq.layers[i].rows()[name].view for i in idx])
+                        for name in seq.layers[idx[0]].rows() if name not in skip})
+        starts = [seq.layers[idx[0]].main_start for idx in groups]
+        out["n_seen"] = torch.tensor([seq.n_seen, *starts], dtype=torch.long)
         return out
 
-    def _implied_rows(self, n_seen: int, n_full: int, n_groups: int) -> dict[str, torch.Tensor]:
+    def _implied_rows(self, p: KVPolicy, n_seen: int, n_full: int, n_groups: int) -> dict[str, torch.Tensor]:
         """Stream indices (and zero mass) of a store without heavy hitters: the sinks, then the
-        newest tokens as one run — head group, quantized groups, full-precision tail, in order."""
-        p, dev = self.policy, self.shape.device
+        newest tokens as one run — head group, quantized groups, full-precision tail, in order (``p``:
+        the layer's policy)."""
+        dev = self.shape.device
         g, sinks = p.group_size, min(p.sinks, n_seen)
         held = n_full + n_groups * g
         run = torch.arange(n_seen - (held - sinks), n_seen, device=dev)
@@ -226,20 +246,27 @@ class PolicyKVCache:
     @torch.inference_mode()
     def import_sequence(self, seq_id: int, tensors: dict[str, torch.Tensor]) -> None:
         """A new sequence holding what ``export_sequence`` gave."""
-        n_seen, main_start = (int(x) for x in tensors["n_seen"])
+        groups = self.layer_groups()
+        n_seen, *starts = (int(x) for x in tensors["n_seen"])
+        if len(starts) != len(groups):
+            raise ValueError(f"the tensors hold {len(starts)} groups of layers, not this cache's {len(groups)}")
         layers = self._new_layers()
-        names = set(layers[0].rows()) - (set() if self.heavy_units else set(self._IMPLIED))
-        if names != set(tensors) - {"n_seen"}:
-            raise ValueError(f"the tensors {sorted(set(tensors) - {'n_seen'})} are not this policy's {sorted(names)}")
-        n_full = tensors["full_k"].shape[1]
-        group_rows = next((name for name in ("qk_codes", "qk_full") if name in tensors), None)
-        n_groups = tensors[group_rows].shape[1] if group_rows else 0
-        implied = {} if self.heavy_units else self._implied_rows(n_seen, n_full, n_groups)
-        for i, layer in enumerate(layers):
-            for name, rows in layer.rows().items():
-                rows.append(implied[name] if name in implied else tensors[name][i].to(rows.buf.device))
-            layer.main_start = main_start
-        self.pool.admit(seq_id, layers[0].n_tokens)
+        skip = set() if self.heavy_units else set(self._IMPLIED)
+        expected = {name + suffix for idx, suffix in zip(groups, self._group_suffixes(groups))
+                    for name in set(layers[idx[0]].rows()) - skip}
+        if expected != set(tensors) - {"n_seen"}:
+            raise ValueError(f"the tensors {sorted(set(tensors) - {'n_seen'})} are not this policy's {sorted(expected)}")
+        for idx, suffix, main_start in zip(groups, self._group_suffixes(groups), starts):
+            n_full = tensors["full_k" + suffix].shape[1]
+            group_rows = next((name for name in ("qk_codes", "qk_full") if name + suffix in tensors), None)
+            n_groups = tensors[group_rows + suffix].shape[1] if group_rows else 0
+            implied = ({} if self.heavy_units else
+                       self._implied_rows(self.layer_policies[idx[0]], n_seen, n_full, n_groups))
+            for j, i in enumerate(idx):
+                for name, rows in layers[i].rows().items():
+                    rows.append(implied[name] if name in implied else tensors[name + suffix][j].to(rows.buf.device))
+                layers[i].main_start = main_start
+        self.pool.admit(seq_id, max(layer.n_tokens for layer in layers))
         self._seqs[seq_id] = _Sequence(layers, n_seen=n_seen)
         self._sync_pool(seq_id)
 

@@ -45,6 +45,7 @@ class TinyGGUF:
     n_experts: int = 0
     n_active: int = 0
     extra: dict = field(default_factory=dict)
+    tokenizer_pre: str = "default"  # llama.cpp's pre-tokenizer name (the torch backend knows gpt2, not default)
 
     @property
     def has_qk_norm(self) -> bool:
@@ -91,7 +92,7 @@ def write(path: Path, cfg: TinyGGUF, seed: int = 0) -> Path:
         w.add_expert_used_count(cfg.n_active)
         w.add_expert_feed_forward_length(cfg.ff)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(cfg.tokenizer_pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
     w.add_token_merges([f"{a} {b}" for a, b in MERGES])

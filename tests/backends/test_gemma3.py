@@ -244,3 +244,37 @@ def test_hf_folder_loads_into_both_pages(tiny, tmp_path):
                        loaded.inv_freq, loaded.layer_windows)
     got = np.array(loaded.model(mx.array(TOKENS, dtype=mx.int32), cache, last_only=False))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["fp16", "int8", "int4+sink2+win64"])
+def test_a_sequence_of_sliding_and_global_layers_exports_and_imports_what_it_holds(policy):
+    """A prompt-cache file, or a cache grown into a larger one: the sliding layers hold their window
+    and the global layer every token (or the policy's window), so each group of layers is written with
+    its own rows and window start; the copy then attends as the original."""
+    L, H, HKV, D_ = 6, 2, 1, 32
+    windows = (16, 16, 16, 16, 16, None)
+    shape = PolicyCacheShape(L, HKV, D_, torch.float32, capacity_tokens=1024)
+    make = lambda: PolicyKVCache(shape, KVPolicy.parse(policy), Rope(D_, 10000.0), layer_windows=windows)
+    source, copy = make(), make()
+    gen = torch.Generator().manual_seed(3)
+    step = lambda T: [tuple(torch.randn(1, T, h, D_, generator=gen) for h in (H, HKV, HKV)) for _ in range(L)]
+
+    @torch.inference_mode()
+    def run(cache, qkv):
+        cache.begin_step([0], qkv[0][0].shape[1])
+        out = [cache.attend(i, q, k, v) for i, (q, k, v) in enumerate(qkv)]
+        cache.end_step()
+        return out
+
+    source.add_sequence(0)
+    for T in (70, 1, 40, 1):
+        run(source, step(T))
+    held = [layer.n_tokens for layer in source._seqs[0].layers]
+    assert held[0] < held[-1]  # the layers hold different rows: one stacked tensor could not carry them
+    copy.import_sequence(0, source.export_sequence(0))
+    assert [layer.n_tokens for layer in copy._seqs[0].layers] == held
+    assert copy.kv_bytes(0) == source.kv_bytes(0) and copy.kv_tokens(0) == source.kv_tokens(0)
+    for _ in range(3):
+        nxt = step(1)
+        for a, b in zip(run(source, nxt), run(copy, nxt)):
+            assert torch.equal(a, b)
