@@ -87,6 +87,41 @@ def test_llamacpp_grows_its_context_and_answers_as_the_full_allocation(tiny_llam
         small.close()
 
 
+def test_llamacpp_grows_a_compact_swa_cache_and_still_reuses_a_prompt_that_departs_before_its_end(tmp_path):
+    """A chat's next prompt often departs from the cache a few tokens before its end (the template renders
+    the answer's text, which need not tokenize as it was generated). A compact SWA cache keeps a batch of
+    cells behind its window for that; growing must not lose them, or the whole conversation is prefilled
+    again: the grown session reuses as much as the one allocated in full."""
+    pytest.importorskip("llama_cpp")
+    import dataclasses
+
+    from gguf_tiny import ARCHS, write
+
+    path = write(tmp_path / "gemma3-w32.gguf", dataclasses.replace(ARCHS["gemma3"], sliding_window=32))
+    first = [{"role": "user", "content": "the tent in the sea " * 20}]
+    params = GenerationParams(max_tokens=24)
+
+    def two_turns(session) -> list[tuple[list[int], int]]:
+        events = list(session.generate(first, params))
+        answer = "".join(e.text for e in events if e.kind == "token")
+        second = first + [{"role": "assistant", "content": answer[:-3]},  # departs a few tokens before the end
+                          {"role": "user", "content": "and the hat on the mat by the sea? " * 14}]
+        out = [([e.token for e in events if e.kind == "token"], events[-1].stats.cached_tokens)]
+        events = list(session.generate(second, params))
+        return out + [([e.token for e in events if e.kind == "token"], events[-1].stats.cached_tokens)]
+
+    full, small = llamacpp_session(path, None), llamacpp_session(path, 100)
+    try:
+        assert not small.settings.swa_full and int(small.llm.n_ctx()) == 256
+        expected, got = two_turns(full), two_turns(small)
+        assert int(small.llm.n_ctx()) >= 512  # it grew for the second turn
+        assert got == expected  # the same answers, and as many tokens reused (more than the window)
+        assert got[1][1] > 32
+    finally:
+        full.close()
+        small.close()
+
+
 # -- torch ---------------------------------------------------------------------------------------
 
 OPTIONS = TorchOptions(device="cpu", dtype=torch.float32, block_size=8)
@@ -120,3 +155,25 @@ def test_torch_grows_its_cache_and_answers_as_the_full_allocation(tiny_torch):
     grown = small.engine.cache.pool.capacity_tokens
     assert 80 <= grown == small.plan.allocated_context < 1024
     assert small.plan.allocated_bytes == cost.max_kv_bytes(small.spec, small.plan.policy, grown)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_torch(tmp_path_factory):
+    """Gemma 3 with a 16-token sliding window: its local layers hold fewer rows than its global one
+    once a conversation is past the window, so a sequence's layers are not all the same length."""
+    pytest.importorskip("gguf")
+    import dataclasses
+
+    from gguf_tiny import ARCHS, write
+
+    cfg = dataclasses.replace(ARCHS["gemma3"], sliding_window=16, tokenizer_pre="gpt2")
+    return write(tmp_path_factory.mktemp("grow-gemma3") / "gemma3.gguf", cfg)
+
+
+def test_torch_grows_a_sliding_window_model_and_answers_as_the_full_allocation(tiny_gemma3_torch):
+    full = torch_session(tiny_gemma3_torch, "fp16", None)
+    small = torch_session(tiny_gemma3_torch, "fp16", 40)
+    expected = conversation(full)
+    got = conversation(small)  # moved its local layers' 16 rows and its global layer's whole history
+    assert got == expected  # the same answers, and as much of the first turn reused
+    assert 80 <= small.engine.cache.pool.capacity_tokens == small.plan.allocated_context < 1024
