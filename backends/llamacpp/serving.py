@@ -30,7 +30,7 @@ from typing import Iterator
 from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits,
                                     with_template_stops)
 from localctx.backends.llamacpp import shift
-from localctx.backends.llamacpp.allocation import held_bytes
+from localctx.backends.llamacpp.allocation import held_bytes, swa_window
 from localctx.backends.llamacpp.batch import CONTEXT_PAD, BatchDecoder, DecodeSequence, KVTypes, sampler_chain
 from localctx.backends.llamacpp.cache_reuse import move_runs, plan_moves
 from localctx.backends.llamacpp.session import REPLAY
@@ -96,6 +96,7 @@ class LlamaSlots(SlotStreams):
             self._record()
         self.decoder.prefilled = True  # prompts are prefilled here, a chunk per step as they arrive
         self.llama_cpp = self.decoder.llama_cpp
+        self._n_swa = None if self.decoder.params.swa_full else swa_window(session.spec)  # compact SWA cache
         self.prefill_chunk = self.decoder.n_batch
         self.prefill_steps: list[int] = []  # prompt tokens prefilled in each step that prefilled (the last 64)
 
@@ -134,6 +135,18 @@ class LlamaSlots(SlotStreams):
         choice = choose_slot(self.slots, ids)
         return None if choice is None else (*choice, [])
 
+    def _window_held(self, slot: Slot, reused: int) -> bool:
+        """Whether the slot still holds the cells a prompt continuing after its first ``reused`` tokens
+        attends to. A compact SWA cache (a model with sliding layers, ``swa_full`` off) drops each
+        stream's sliding-layer cells older than its window plus a batch as the conversation goes on; a
+        prompt that departs from the slot's conversation further back than that (another conversation
+        sharing only a system prompt) would attend to cells that are gone, so it is prefilled from the
+        start, as a session's ``_cached_prefix`` does."""
+        if self._n_swa is None:
+            return True
+        pos_min = self.llama_cpp.llama_memory_seq_pos_min(self.decoder.memory, slot.seq_id)
+        return pos_min <= max(0, reused - self._n_swa)
+
     def _forget(self, slot: Slot, keep: int = 0) -> None:
         self.llama_cpp.llama_memory_seq_rm(self.decoder.memory, slot.seq_id, keep, -1)
         del slot.history[keep:]
@@ -167,6 +180,8 @@ class LlamaSlots(SlotStreams):
             # the prompt's last REPLAY tokens are prefilled again (at least one, for the logits): a one-row
             # batch takes other kernels than the cold run's last rows (session.REPLAY); moved runs are lossy
             reused = max(0, min(shared, len(ids) - (1 if moves else REPLAY)))
+            if reused and not self._window_held(slot, reused):
+                reused = 0
             self._forget(slot, reused)
         except BaseException:
             self.llama_cpp.llama_sampler_free(sampler)
