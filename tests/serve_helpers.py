@@ -83,3 +83,15 @@ def serve_subprocess(args: list[str], env: dict | None = None):
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+def finish_one(slots) -> tuple[list[int], object]:
+    """Steps ``slots`` (one stream started on them) until nothing is live: its tokens and its last event."""
+    tokens, done = [], None
+    while slots.active:
+        for _, e in slots.step():
+            if e.kind == "token":
+                tokens.append(e.token)
+            else:
+                done = e
+    return tokens, done

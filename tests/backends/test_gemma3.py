@@ -251,21 +251,14 @@ def test_a_sequence_of_sliding_and_global_layers_exports_and_imports_what_it_hol
     """A prompt-cache file, or a cache grown into a larger one: the sliding layers hold their window
     and the global layer every token (or the policy's window), so each group of layers is written with
     its own rows and window start; the copy then attends as the original."""
+    from kv_helpers import attend_step, random_steps
+
     L, H, HKV, D_ = 6, 2, 1, 32
     windows = (16, 16, 16, 16, 16, None)
     shape = PolicyCacheShape(L, HKV, D_, torch.float32, capacity_tokens=1024)
     make = lambda: PolicyKVCache(shape, KVPolicy.parse(policy), Rope(D_, 10000.0), layer_windows=windows)
     source, copy = make(), make()
-    gen = torch.Generator().manual_seed(3)
-    step = lambda T: [tuple(torch.randn(1, T, h, D_, generator=gen) for h in (H, HKV, HKV)) for _ in range(L)]
-
-    @torch.inference_mode()
-    def run(cache, qkv):
-        cache.begin_step([0], qkv[0][0].shape[1])
-        out = [cache.attend(i, q, k, v) for i, (q, k, v) in enumerate(qkv)]
-        cache.end_step()
-        return out
-
+    step, run = random_steps(3, L, H, HKV, D_), attend_step
     source.add_sequence(0)
     for T in (70, 1, 40, 1):
         run(source, step(T))

@@ -11,6 +11,7 @@ from localctx.kvcache import cost, quant
 from localctx.kvcache.policy import KVPolicy
 from localctx.kvcache.quant_attention import FullTokens, QuantGroups, attend_reference
 from localctx.kvcache.model_spec import ModelSpec
+from kv_helpers import attend_step, random_steps
 
 SPEC = ModelSpec("tiny", "llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, hidden_size=256,
                  vocab_size=64, context_length=4096, kv_elem_bytes=2)
@@ -129,16 +130,7 @@ def test_a_split_cache_exports_and_imports_what_it_holds(text):
     policy, rope = KVPolicy.parse(text), Rope(D, 10000.0)
     shape = PolicyCacheShape(L, HKV, D, torch.float32)
     source, copy = PolicyKVCache(shape, policy, rope), PolicyKVCache(shape, policy, rope)
-    gen = torch.Generator().manual_seed(5)
-    step = lambda T: [tuple(torch.randn(1, T, h, D, generator=gen) for h in (H, HKV, HKV)) for _ in range(L)]
-
-    @torch.inference_mode()  # as the sessions run it (import_sequence makes inference tensors)
-    def run(cache, qkv):
-        cache.begin_step([0], qkv[0][0].shape[1])
-        out = [cache.attend(i, q, k, v) for i, (q, k, v) in enumerate(qkv)]
-        cache.end_step()
-        return out
-
+    step, run = random_steps(5, L, H, HKV, D), attend_step
     source.add_sequence(0)
     for T in (70, 1, 40, 1):
         run(source, step(T))

@@ -19,7 +19,7 @@ from localctx.kvcache import cost
 from localctx.kvcache.errors import UserError
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
-from serve_helpers import serve_in_thread
+from serve_helpers import finish_one, serve_in_thread
 
 SHORT = [{"role": "user", "content": "the tent in the sea"}]
 LONG = [{"role": "user", "content": "and the hat on the mat by the sea? " * 12}]
@@ -57,14 +57,8 @@ def follow_up(slots) -> tuple[list[int], int, int]:
     tokens, tokens the slot held)."""
     held = max(slots.slots, key=lambda s: len(s.history)).history
     n_held = len(held)
-    stream, _ = slots.start(None, GenerationParams(max_tokens=8, ignore_eos=True), None, ids=held + held[-2:])
-    tokens, done = [], None
-    while slots.active:
-        for _, e in slots.step():
-            if e.kind == "token":
-                tokens.append(e.token)
-            else:
-                done = e
+    slots.start(None, GenerationParams(max_tokens=8, ignore_eos=True), None, ids=held + held[-2:])
+    tokens, done = finish_one(slots)
     return tokens, done.stats.cached_tokens, n_held
 
 

@@ -13,6 +13,7 @@ from localctx.backends.base import GenerationParams
 from localctx.backends.models.ref import resolve
 from localctx.kvcache.plan import Plan
 from localctx.kvcache.policy import KVPolicy
+from serve_helpers import finish_one
 
 pytest.importorskip("llama_cpp")
 
@@ -27,13 +28,7 @@ def open_slots(path, context: int):
 def answer(slots, params: GenerationParams, prompt=None, ids=None) -> tuple[list[int], int]:
     """(tokens, cached prompt tokens) of one request on the slots."""
     slots.start(prompt, params, None, ids=ids)
-    tokens, done = [], None
-    while slots.active:
-        for _, e in slots.step():
-            if e.kind == "token":
-                tokens.append(e.token)
-            else:
-                done = e
+    tokens, done = finish_one(slots)
     return tokens, done.stats.cached_tokens
 
 
