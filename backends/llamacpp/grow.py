@@ -45,9 +45,19 @@ def write_sequences(ctx, states: dict[int, ctypes.Array]) -> None:
             raise RuntimeError(f"llama.cpp refused sequence {seq_id}'s state in the larger context")
 
 
-def grow_context(llm, n_ctx: int) -> None:
+def grow_context(llm, n_ctx: int, keep: int | None = None) -> None:
     """Moves ``llm`` (a llama_cpp.Llama) to a new context of ``n_ctx`` cells on the same weights, with
-    sequence 0's cells and the token history carried over; the old context is freed."""
+    sequence 0's cells and the token history carried over; the old context is freed. ``keep``: carry
+    only the first ``keep`` tokens (what the next prompt reuses). A compact SWA cache holds its window
+    plus a batch of older cells, so a prompt may depart from it a little before its end; llama.cpp writes
+    a moved one back with only the window behind its last cell, so that cell must be where the prompt
+    goes on, or nothing before it could be reused."""
+    import llama_cpp
+
+    if keep is not None and keep < int(llm.n_tokens):
+        if not llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm._ctx.ctx), 0, keep, -1):
+            raise RuntimeError(f"llama.cpp could not drop the cells after token {keep} before growing")
+        llm.n_tokens = keep
     n_tokens = int(llm.n_tokens)
     states = read_sequences(llm._ctx.ctx, [0]) if n_tokens else {}
     llm.context_params.n_ctx = n_ctx

@@ -215,25 +215,14 @@ class LlamaCppSession(Session):
         """KV bytes llama.cpp allocates for a context of ``n_ctx`` cells in this session's settings."""
         return dataclasses.replace(self.settings, n_ctx=n_ctx).cache().bytes(self.spec)
 
-    def fit(self, needed: int, keep: int) -> None:
-        """Grows the context to hold ``needed`` tokens (at least doubling, at most the plan's context), its
-        cells moved into the larger one (grow.py); the plan then says what is allocated. ``keep``: the
-        cached tokens the next prompt reuses (``_cached_prefix``); the cells after them are dropped before
-        the move. A compact SWA cache holds its window plus a batch of older cells, which let a prompt
-        that departs from the cache a little before its end reuse what comes before; llama.cpp writes a
-        moved state back with the window behind the last cell only, so cells moved past the reused prefix
-        would leave it nothing to continue from (the whole conversation prefilled again)."""
+    def fit(self, needed: int, prompt_ids: list[int]) -> None:
+        """Grows the context to hold ``needed`` tokens (at least doubling, at most the plan's context), the
+        cells ``prompt_ids`` reuses moved into the larger one (grow.py); the plan then says what is allocated."""
         have, most = int(self.llm.n_ctx()), self.settings.n_ctx
         if self._fixed_context or not growth.must_grow(have, needed, most):
             return
-        if keep < int(self.llm.n_tokens):
-            import llama_cpp
-
-            if not llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.llm._ctx.ctx), 0, keep, -1):
-                raise RuntimeError(f"llama.cpp could not drop the cells after token {keep} before growing")
-            self.llm.n_tokens = keep
         n = growth.next_size(have, needed, most, grow.CELL)
-        grow.grow_context(self.llm, n)
+        grow.grow_context(self.llm, n, keep=self._cached_prefix(prompt_ids))
         self.plan.grow_to(n, self.allocated_bytes(n))
 
     def _set_flash_attention(self, on: bool) -> None:
@@ -434,8 +423,7 @@ class LlamaCppSession(Session):
         check_prompt_fits(len(ids), self.plan, self.spec, params.max_tokens)
         speculate = speculation.resolve(params.speculate, self.plan.policy, batch_differs=True,
                                         constrained=params.constraint is not None)
-        if not self._shift:  # a windowed session's context is fixed
-            self.fit(len(ids) + params.max_tokens, keep=self._cached_prefix(ids))
+        self.fit(len(ids) + params.max_tokens, ids)
         cached = self._shift.cached_prefix(ids) if self._shift else self._cached_prefix(ids)
         clock = StatsClock(backend="llamacpp", policy=str(self.plan.policy), prompt_tokens=len(ids),
                            cached_tokens=cached, speculate=speculate)
