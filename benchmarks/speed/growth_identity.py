@@ -13,6 +13,7 @@ allocations before and after.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -85,7 +86,10 @@ def check(model: str, backend_name: str, args) -> dict:
         first, second = conversation_texts(lambda s: grown.count_tokens([{"role": "user", "content": s}]) - empty,
                                            args.first_tokens, args.second_tokens)
         row = {"model": Path(model).name, "backend": backend_name, "context": full.plan.context,
-               "full_allocated": full.plan.allocated_context}
+               "full_allocated": full.plan.allocated_context,
+               # the document changes as the project does: which text this row read
+               "document_lines": (first + second).count("\n"),
+               "text_sha256": hashlib.sha256((first + second).encode()).hexdigest()}
         row["grown"] = talk(grown, first, second, args.max_tokens)
         row["full"] = talk(full, first, second, args.max_tokens)
     finally:
