@@ -39,6 +39,13 @@ def swa_window(spec: ModelSpec) -> int | None:
     return max(windows) if windows else None
 
 
+def swa_cells_held(pos_min: int, reused: int, n_swa: int) -> bool:
+    """Whether a compact SWA cache whose oldest sliding-layer cell of a sequence is at ``pos_min`` still holds
+    the window a prompt going on after its first ``reused`` tokens attends to: llama.cpp drops a sequence's
+    cells older than the window plus a batch as it goes on (a session's and a server slot's prefix reuse)."""
+    return pos_min <= max(0, reused - n_swa)
+
+
 @dataclass(frozen=True)
 class CacheAlloc:
     """One llama.cpp KV cache: its cells, the layers in it, and the bytes of its K and V tensors."""

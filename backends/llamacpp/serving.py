@@ -30,7 +30,7 @@ from typing import Iterator
 from localctx.backends.base import (GenerationEvent, GenerationParams, Prompt, StatsClock, check_prompt_fits,
                                     with_template_stops)
 from localctx.backends.llamacpp import shift
-from localctx.backends.llamacpp.allocation import held_bytes, swa_window
+from localctx.backends.llamacpp.allocation import held_bytes, swa_cells_held, swa_window
 from localctx.backends.llamacpp.batch import CONTEXT_PAD, BatchDecoder, DecodeSequence, KVTypes, sampler_chain
 from localctx.backends.llamacpp.cache_reuse import move_runs, plan_moves
 from localctx.backends.llamacpp.session import REPLAY
@@ -137,15 +137,13 @@ class LlamaSlots(SlotStreams):
 
     def _window_held(self, slot: Slot, reused: int) -> bool:
         """Whether the slot still holds the cells a prompt continuing after its first ``reused`` tokens
-        attends to. A compact SWA cache (a model with sliding layers, ``swa_full`` off) drops each
-        stream's sliding-layer cells older than its window plus a batch as the conversation goes on; a
-        prompt that departs from the slot's conversation further back than that (another conversation
-        sharing only a system prompt) would attend to cells that are gone, so it is prefilled from the
-        start, as a session's ``_cached_prefix`` does."""
+        attends to (``swa_cells_held``, the rule a session's ``_cached_prefix`` applies too); a prompt that
+        departs from the slot's conversation further back (another conversation sharing only a system
+        prompt) would attend to cells that are gone, so it is prefilled from the start."""
         if self._n_swa is None:
             return True
         pos_min = self.llama_cpp.llama_memory_seq_pos_min(self.decoder.memory, slot.seq_id)
-        return pos_min <= max(0, reused - self._n_swa)
+        return swa_cells_held(pos_min, reused, self._n_swa)
 
     def _forget(self, slot: Slot, keep: int = 0) -> None:
         self.llama_cpp.llama_memory_seq_rm(self.decoder.memory, slot.seq_id, keep, -1)

@@ -24,7 +24,7 @@ from localctx.backends.llamacpp import prompt_cache as llama_prompt_cache
 from localctx.backends.base import (GenerationEvent, GenerationParams, OutputConstraint, Prompt, Session,
                                     StatsClock, check_prompt_fits, with_template_stops)
 from localctx.backends.models.chat_template import ChatTemplate, gguf_template_source
-from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_window
+from localctx.backends.llamacpp.allocation import N_UBATCH, held_bytes, swa_cells_held, swa_window
 from localctx.backends.models.spec_reader import read_spec
 from localctx.backends.models.ref import ModelRef
 from localctx.backends.generation.decode_loop import KVProbe, stream
@@ -275,7 +275,7 @@ class LlamaCppSession(Session):
             import llama_cpp
 
             pos_min = llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(self.llm._ctx.ctx), 0)
-            if pos_min > max(0, reuse - self._n_swa):
+            if not swa_cells_held(pos_min, reuse, self._n_swa):
                 self.reset()
                 return 0
         return reuse
